@@ -1,0 +1,141 @@
+"""Packed token batches, rotary embeddings and causal attention over packed sequences.
+
+A packed batch is one row of T tokens holding several sequences back to back: position ids
+restart at 0 for each sequence and attention never crosses a boundary (cu_seqlens). Padded
+batches are converted to this form (`unpad`), so the model has one code path.
+
+The decoder calls `ctx.attend(layer_idx, q, k, v)` with q [T, hq, d], k/v [T, hkv, d]; the context
+decides how (packed training attention here; the rollout engine supplies a KV-cache context).
+On CUDA, packed attention is torch's varlen flash kernel: no T×T mask ever exists. On CPU it runs
+a causal SDPA per sequence.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn, _VARLEN_GQA = None, False
+
+
+@dataclass
+class PackedInput:
+    """input_ids/position_ids [T]; cu_seqlens [n+1] int32 boundaries; `num_pad` trailing dummy
+    tokens (their own sequence) appended so that T divides the sequence-parallel degree."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    num_pad: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @staticmethod
+    def build(input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+              position_ids: torch.Tensor | None = None, multiple_of: int = 1) -> "PackedInput":
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        lens = (cu[1:] - cu[:-1]).long()
+        if position_ids is None:
+            starts = torch.repeat_interleave(cu[:-1].long(), lens)
+            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device) - starts
+        num_pad = (-input_ids.shape[0]) % multiple_of
+        if num_pad:
+            input_ids = F.pad(input_ids, (0, num_pad))
+            position_ids = torch.cat([position_ids, torch.arange(num_pad, device=cu.device)])
+            cu = torch.cat([cu, cu[-1:] + num_pad])
+            lens = torch.cat([lens, lens.new_tensor([num_pad])])
+        return PackedInput(input_ids, position_ids, cu, int(lens.max()), num_pad)
+
+    @staticmethod
+    def from_lengths(input_ids: torch.Tensor, seqlens: list[int], multiple_of: int = 1):
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(seqlens).cumsum(0)
+        return PackedInput.build(input_ids, cu, multiple_of=multiple_of)
+
+    def strip(self, x: torch.Tensor) -> torch.Tensor:
+        """Drop the trailing pad tokens from a per-token output [T, ...]."""
+        return x[: x.shape[0] - self.num_pad] if self.num_pad else x
+
+
+def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple_of: int = 1):
+    """Padded [B, S] (left or right padding) -> (PackedInput, flat indices of the real tokens).
+
+    Position ids count real tokens only (cumsum of the mask - 1), as verl's remove-padding path.
+    """
+    mask = attention_mask.bool()
+    idx = mask.flatten().nonzero().squeeze(-1)
+    lens = mask.sum(-1).to(torch.int32)
+    cu = F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+    pos = (mask.long().cumsum(-1) - 1).flatten()[idx]
+    return PackedInput.build(input_ids.flatten()[idx], cu, pos, multiple_of), idx
+
+
+def repad(x: torch.Tensor, idx: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """Scatter per-token outputs [T, ...] back into [B, S, ...] (zeros at pad positions)."""
+    out = x.new_zeros((batch * seqlen, *x.shape[1:]))
+    out[idx] = x
+    return out.view(batch, seqlen, *x.shape[1:])
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for the rotate-half RoPE of Llama/Qwen2 (inv_freq = θ^(-2i/d))."""
+
+    def __init__(self, head_dim: int, theta: float, device=None):
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+                               / head_dim))
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq        # [T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)                           # [T, d]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, h, d]; cos/sin [T, d]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
+
+
+class PackedCausalAttention:
+    """Causal self-attention inside each packed sequence (the training / scoring context)."""
+
+    def __init__(self, packed: PackedInput):
+        self.cu = packed.cu_seqlens
+        self.max_seqlen = packed.max_seqlen
+        self._bounds = None
+
+    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
+        if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
+            return self._varlen(q, k, v)
+        return self._per_sequence(q, k, v)
+
+    def _varlen(self, q, k, v):
+        if not _VARLEN_GQA and k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        kw = {"enable_gqa": True} if _VARLEN_GQA else {}
+        return _varlen_attn(q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen,
+                            window_size=(-1, 0), **kw)
+
+    def _per_sequence(self, q, k, v):
+        if self._bounds is None:
+            self._bounds = self.cu.tolist()
+        out = torch.empty_like(q)
+        gqa = k.shape[1] != q.shape[1]
+        for s, e in zip(self._bounds[:-1], self._bounds[1:]):
+            qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            out[s:e] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,219 @@
+"""The Llama / Qwen2 decoder family, tensor-, sequence- and pipeline-parallel aware.
+
+RMSNorm, rotate-half RoPE (theta from the config), grouped-query attention, SwiGLU MLP, optional
+qkv bias (Qwen2), tied or untied embeddings, optional scalar value head (the critic).
+
+Sharding (applied through the parallel layers; the math reads as the single-device model):
+- qkv_proj: one ColumnParallelLinear whose rank-r shard is [q_r; k_r; v_r] (q heads h_q/tp, kv heads
+  h_kv/tp per rank), so one GEMM and one sequence-parallel all-gather per layer.
+- o_proj, down_proj: RowParallelLinear. gate_up_proj: ColumnParallelLinear, rank shard [gate_r; up_r].
+- embed_tokens / lm head: vocab-parallel rows of the tp-padded vocabulary.
+- sequence parallel: the residual stream and the norms live on a [T/tp, H] block per rank.
+- pipeline: a stage owns layers [layer_start, layer_end); the first stage the embedding, the last
+  the final norm and the head. With pp > 1 and tied embeddings the last stage keeps its own copy of
+  the embedding as `lm_head.weight` (kept in sync by the training engine, as Megatron does).
+
+Activations are token-major packed batches ([T, H]; see models.attention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridengine.models.attention import PackedCausalAttention, PackedInput, RotaryEmbedding, \
+    apply_rope
+from hybridengine.parallel.tensor import ColumnParallelLinear, RowParallelLinear, \
+    VocabParallelEmbedding, copy_to_tp, gather_from_sp, gather_from_sp_copy, group_size, \
+    all_gather_dim0
+from hybridengine.parallel.vocab import vocab_parallel_logprob_entropy
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+
+    def check_tp(self, tp: int) -> None:
+        if self.num_heads % tp:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by "
+                             f"tensor parallel size {tp}")
+        if self.num_kv_heads % tp:
+            raise ValueError(f"num_key_value_heads={self.num_kv_heads} is not divisible by "
+                             f"tensor parallel size {tp}")
+
+    def num_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
+    """Layers [start, end) of a pipeline stage: an even split, the remainder to the first stages."""
+    if num_layers < pp:
+        raise ValueError(f"num_hidden_layers={num_layers} < pipeline parallel size {pp}")
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as HF Llama/Qwen2 do, then back to the activation dtype.
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, group, sp: bool, dtype, device):
+        super().__init__()
+        tp = group_size(group)
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp
+        self.head_dim = cfg.head_dim
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, 0, group, cfg.attention_bias, sp,
+                                             out_per_partition=q + 2 * kv, dtype=dtype,
+                                             device=device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, group,
+                                        False, sp, dtype=dtype, device=device)
+
+    def forward(self, x, cos, sin, ctx):
+        qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
+        q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_sz, kv_sz, kv_sz], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        o = ctx.attend(self.layer_idx, q, k, v)                           # [T, h_q, d]
+        return self.o_proj(o.reshape(o.shape[0], q_sz))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, group, sp: bool, dtype, device):
+        super().__init__()
+        self.ffn_per_rank = cfg.intermediate_size // group_size(group)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.intermediate_size,
+                                                 group, False, sp, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, group, False,
+                                           sp, dtype=dtype, device=device)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.ffn_per_rank, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx, group, sp, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, layer_idx, group, sp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, group, sp, dtype, device)
+
+    def forward(self, h, cos, sin, ctx):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """One pipeline stage of the decoder (the whole model when pp = 1) on one TP rank."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False,
+                 pp_rank: int = 0, pp_size: int = 1, value_head: bool = False,
+                 dtype=None, device=None):
+        super().__init__()
+        tp = group_size(tp_group)
+        cfg.check_tp(tp)
+        if cfg.intermediate_size % tp:
+            raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by "
+                             f"tensor parallel size {tp}")
+        self.cfg, self.tp_group = cfg, tp_group
+        self.sp = sequence_parallel and tp > 1
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
+        self.layer_start, self.layer_end = stage_layers(cfg.num_layers, pp_size, pp_rank)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device)
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
+                                                       self.sp, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp_group, self.sp, dtype, device)
+            for i in range(self.layer_start, self.layer_end))
+        self.value_head = None
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            if value_head:
+                # Saved as HF's *ForTokenClassification `score` layer (num_labels=1).
+                self.value_head = nn.Linear(cfg.hidden_size, 1, dtype=dtype, device=device)
+            elif not (cfg.tie_word_embeddings and self.is_first):
+                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
+                                                      False, dtype, device)
+
+        if self.sp:
+            # Replicated parameters applied to a sequence shard see only part of the tokens:
+            # their gradients are summed over the TP group (sync_sequence_parallel_grads).
+            for name, p in self.named_parameters():
+                if "norm" in name or name.startswith("value_head"):
+                    p.sequence_parallel = True
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """This rank's [V_padded/tp, H] output-projection shard."""
+        if hasattr(self, "lm_head"):
+            return self.lm_head.weight
+        return self.embed_tokens.weight
+
+    def forward(self, packed: PackedInput, hidden: torch.Tensor | None = None,
+                attn_ctx=None) -> torch.Tensor:
+        """First stage: embeds packed.input_ids; later stages take `hidden` ([T/tp, H] under SP).
+        Returns the residual stream after this stage's layers, normed on the last stage."""
+        h = self.embed_tokens(packed.input_ids) if self.is_first else hidden
+        cos, sin = self.rotary(packed.position_ids, h.dtype)
+        ctx = attn_ctx or PackedCausalAttention(packed)
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.norm(h) if self.is_last else h
+
+    # --- heads (last stage) -------------------------------------------------------------------
+    def logits_local(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T(/tp), H] -> this rank's vocabulary slice of the logits, [T, V_padded/tp]."""
+        x = gather_from_sp(hidden, self.tp_group) if self.sp else copy_to_tp(hidden, self.tp_group)
+        return nn.functional.linear(x, self.head_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [T, V] (gathers the vocabulary: tests and sampling only)."""
+        local = self.logits_local(hidden)
+        full = all_gather_dim0(local.t().contiguous(), self.tp_group).t()
+        return full[:, : self.cfg.vocab_size]
+
+    def logprob_entropy(self, hidden, targets, temperature: float = 1.0):
+        """Per-token log p(targets) and entropy [T], without gathering the vocabulary."""
+        return vocab_parallel_logprob_entropy(self.logits_local(hidden), targets, self.tp_group,
+                                              self.cfg.vocab_size, temperature)
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scalar value per token [T] (critic)."""
+        v = self.value_head(hidden).squeeze(-1)
+        return gather_from_sp_copy(v, self.tp_group) if self.sp else v
