@@ -11,11 +11,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA (run on the device machine)")
-    config.addinivalue_line("markers", "multiproc: spawns several gloo ranks (slower)")
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():

@@ -111,6 +111,11 @@ def param_plan(local_name: str, cfg: ModelConfig, tp: int, tp_rank: int,
     raise KeyError(f"no HF mapping for parameter {local_name!r}")
 
 
+def is_tp_replicated(local_name: str, cfg: ModelConfig, tp: int) -> bool:
+    """True for parameters every TP rank holds whole (norms, value head)."""
+    return tp == 1 or param_plan(local_name, cfg, tp, 0) == param_plan(local_name, cfg, tp, 1)
+
+
 class SafetensorsDir:
     """Read-only view of the tensors of an HF directory (single file or sharded with an index)."""
 
@@ -193,6 +198,8 @@ def _check_piece_shapes(name, param, pieces, parts, model_dir):
 def _gather_full(model: Decoder, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
     """All-gather a parameter over TP and reassemble the HF tensors it is made of."""
     tp = group_size(model.tp_group)
+    if tp > 1 and is_tp_replicated(name, model.cfg, tp):
+        tp = 1                      # norms, value head: every rank holds the whole tensor
     shards = [param.detach()]
     if tp > 1:
         local_dim = param_plan(name, model.cfg, tp, 0, model.layer_start)[0].local_dim
