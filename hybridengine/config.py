@@ -1,0 +1,482 @@
+"""Configuration: verl's key tree, OmegaConf overrides, one-line errors, the parallel layout.
+
+`load_config(argv)` starts from configs/ppo_trainer.yaml, merges each `--config FILE` (a partial
+tree) in order, then the `key=value` overrides (OmegaConf dotlist syntax: `a.b=[x,y]`, `a=null`,
+`a=${b}`; a Hydra-style leading `+` or `++` is tolerated). It returns a resolved, struct-mode
+DictConfig (reading a missing key raises) whose every leaf has the type of its default.
+
+Errors are one line each: an unknown key names the nearest known key; a wrong type names key,
+value and expected type; an unknown choice lists the choices. Keys that verl users pass but that
+mean nothing here (FSDP knobs, Ray, HDFS, ...) are dropped with one warning line listing them.
+
+`validate_config(cfg, world_size)` runs the cross-field checks that need the world size (batch
+divisibility per verl's semantics, parallel sizes, algorithm combinations); `derive_layout`
+turns the config into per-role (tp, pp, dp) and the generation TP degree.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "configs" / "ppo_trainer.yaml"
+
+# key prefixes of the actor, rollout and reference sections
+_A, _R, _F = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref."
+
+# Kind and nullability of keys whose default cannot tell (null defaults, path-or-list);
+# every other key has the kind of its default value.
+SPECS: dict[str, tuple[str, bool]] = {
+    "data.train_files": ("files", False),
+    "data.val_files": ("files", True),
+    **dict.fromkeys(("actor_rollout_ref.model.path", "critic.model.path", "custom_reward_function.path",
+                     "trainer.resume_from_path"), ("str", True)),
+    **dict.fromkeys((_A + "optim.min_lr_ratio", "critic.optim.min_lr_ratio"), ("float", True)),
+    **dict.fromkeys(("data.val_batch_size", _A + "ppo_micro_batch_size_per_gpu",
+                     _R + "log_prob_micro_batch_size_per_gpu", _F + "log_prob_micro_batch_size_per_gpu",
+                     "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
+                     "trainer.total_training_steps", "trainer.n_gpus_per_node"), ("int", True)),
+}
+
+_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+_DTYPES = ("bfloat16", "float32")
+_SCHEDULERS = ("constant", "cosine")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.truncation": ("error", "left", "right", "middle"),
+    _A + "loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"),
+    _A + "kl_loss_type": _KL,
+    "algorithm.kl_penalty": _KL,
+    _A + "optim.lr_scheduler_type": _SCHEDULERS,
+    "critic.optim.lr_scheduler_type": _SCHEDULERS,
+    _A + "megatron.param_dtype": _DTYPES,
+    _F + "megatron.param_dtype": _DTYPES,
+    "critic.megatron.param_dtype": _DTYPES,
+    _R + "dtype": _DTYPES,
+    _R + "name": ("builtin", "vllm"),
+    "reward_model.reward_manager": ("naive", "dapo"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+    "trainer.nan_policy": ("abort", "skip"),
+    "trainer.hybrid_engine.reshard_mode": ("zero_redundancy", "naive"),
+}
+
+# verl spellings of our keys (older or Megatron-trainer names).
+ALIASES = {
+    _A + "optim.warmup_style": _A + "optim.lr_scheduler_type",
+    "critic.optim.warmup_style": "critic.optim.lr_scheduler_type",
+    _A + "optim.clip_grad": _A + "grad_clip",
+    "critic.optim.clip_grad": "critic.grad_clip",
+}
+
+# verl keys with no meaning here (fnmatch patterns on the key or a prefix of it): dropped, warned.
+IGNORED = (
+    "ray_init", "*.strategy", "*.fsdp_config", "*.use_torch_compile", "*.checkpoint", "*.profile",
+    "*.profiler", "*.load_weight", "*.data_loader_seed", "*.use_remove_padding", "*.external_lib",
+    "*.override_config", "*.enable_gradient_checkpointing", "*.gradient_checkpointing_kwargs",
+    "*.trust_remote_code", "*.use_liger", "*.use_fused_kernels", "*.use_shm", "*.tokenizer_path",
+    "*.megatron.use_dist_checkpointing", "*.megatron.dist_checkpointing_path", "*.megatron.seed",
+    "*.megatron.override_transformer_config", "*.megatron.use_mbridge",
+    "data.tokenizer", "data.return_raw_input_ids", "data.filter_overlong_prompts_workers",
+    "data.image_key", "data.video_key", "data.custom_cls", "data.dataloader_num_workers",
+    "actor_rollout_ref.hybrid_engine", _R + "mode", _R + "chat_scheduler", _R + "load_format",
+    _R + "max_num_batched_tokens", _R + "max_model_len", _R + "disable_log_stats",
+    _R + "enable_chunked_prefill", _R + "engine_kwargs", _R + "multi_turn", _R + "layer_name_map",
+    _R + "ignore_eos", _R + "calculate_log_probs", "critic.rollout_n", "critic.kl_ctrl",
+    "reward_model.strategy", "reward_model.model", "reward_model.micro_batch_size*",
+    "reward_model.max_length", "reward_model.use_dynamic_bsz", "reward_model.forward_max_token_len_per_gpu",
+    "reward_model.launch_reward_fn_async", "reward_model.megatron", "reward_model.overlong_buffer.log",
+    "trainer.default_hdfs_dir", "trainer.balance_batch", "trainer.critic_warmup",
+    "trainer.log_val_generations", "trainer.rollout_data_dir", "trainer.validation_data_dir",
+    "trainer.del_local_ckpt_after_load", "trainer.max_*_ckpt_to_keep",
+    "trainer.ray_wait_register_center_timeout",
+)
+# Parallel features we lack: accepted (and dropped) only at their neutral value.
+NEUTRAL_ONLY = {"ulysses_sequence_parallel_size": 1, "context_parallel_size": 1,
+                "virtual_pipeline_model_parallel_size": None, "expert_model_parallel_size": 1}
+
+_KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a string",
+               "list[str]": "a list of strings", "list[float]": "a list of numbers",
+               "files": "a path or a list of paths"}
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(argv: list[str]) -> DictConfig:
+    """Defaults <- each --config FILE (in order) <- key=value overrides (in order, after all
+    files, wherever they stand in argv); typed, resolved, struct mode."""
+    files, dotlist = _parse_argv(argv)
+    defaults = OmegaConf.load(DEFAULTS_FILE)
+    leaves = dict(_flat(OmegaConf.to_container(defaults, resolve=True)))
+    sections = {key.rsplit(".", i)[0] for key in leaves for i in range(1, key.count(".") + 1)}
+    ignored: list[str] = []
+    cfg = defaults
+    for file in files:
+        tree = _load_yaml(file)
+        cfg = OmegaConf.merge(cfg, _accept(tree, f"{file}: ", leaves, sections, ignored))
+    for item in dotlist:
+        try:
+            tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+        except OmegaConfBaseException as e:
+            raise ValueError(f"bad override {item!r}: {_first_line(e)}") from None
+        cfg = OmegaConf.merge(cfg, _accept(tree, "", leaves, sections, ignored))
+    if ignored:
+        names = ", ".join(dict.fromkeys(ignored))
+        logger.warning("ignoring verl keys that have no meaning in hybridengine: %s", names)
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ValueError(f"config interpolation failed: {_first_line(e)}") from None
+    for key, value in list(_flat(resolved)):   # the keys of `leaves`: _accept admitted no other
+        _set(resolved, key, _typed(key, value, leaves[key]))
+    out = OmegaConf.create(resolved)
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+def _parse_argv(argv: list[str]) -> tuple[list[Path], list[str]]:
+    files, dotlist = [], []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.partition("=")[2] or next(args, "")
+            if not path:
+                raise ValueError("--config needs a YAML file path")
+            files.append(Path(path))
+        elif arg.startswith("~"):
+            raise ValueError(f"override {arg!r}: deleting keys is not supported")
+        elif arg.startswith("-"):
+            raise ValueError(f"unknown argument {arg!r}; expected --config FILE or key=value overrides")
+        elif "=" in arg and arg.lstrip("+").partition("=")[0]:
+            dotlist.append(arg.lstrip("+"))   # Hydra's +key=value / ++key=value
+        else:
+            raise ValueError(f"argument {arg!r} is not a key=value override")
+    return files, dotlist
+
+
+def _load_yaml(file: Path) -> dict:
+    if not file.is_file():
+        raise FileNotFoundError(f"--config file {file} does not exist")
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ValueError(f"{file}: invalid YAML: {_first_line(e)}") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"{file}: expected a mapping of config keys at the top level")
+    return tree
+
+
+def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted leaf key, value) pairs; an empty mapping counts as a leaf."""
+    for name, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _flat(value, f"{prefix}{name}.")
+        else:
+            yield prefix + str(name), value
+
+
+def _accept(tree: dict, where: str, leaves: dict, sections: set, ignored: list,
+            kept: dict | None = None, prefix: str = "") -> dict:
+    """The part of an override tree that is ours (aliases renamed), as a tree from the root;
+    ignorable keys are appended to `ignored`; anything else is an error naming the nearest key."""
+    kept = {} if kept is None else kept
+    for name, value in tree.items():
+        key = ALIASES.get(prefix + str(name), prefix + str(name))
+        if key in leaves:
+            if not (isinstance(value, str) and "${" in value):
+                _typed(key, value, leaves[key])  # early: a mapping cannot even merge into a list
+            _set(kept, key, value)
+        elif key in sections:
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}{key}={value!r}: {key} is a config section, not a value")
+            _accept(value, where, leaves, sections, ignored, kept, key + ".")
+        elif _ignorable(key, value, where):
+            ignored.extend(k for k, _ in _flat({key: value}))
+        else:
+            full_key = next(_flat({key: value}))[0]
+            raise ValueError(f"{where}unknown config key {full_key!r} "
+                             f"(nearest known key: {_nearest(full_key, leaves)!r})")
+    return kept
+
+
+def _nearest(key: str, leaves: dict) -> str:
+    # a known key extending the unknown one is the likeliest intent (verl's deprecated
+    # ppo_micro_batch_size -> ppo_micro_batch_size_per_gpu); else the closest spelling
+    extensions = sorted((k for k in leaves if k.startswith(key)), key=len)
+    return extensions[0] if extensions else difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.0)[0]
+
+
+def _ignorable(key: str, value: Any, where: str) -> bool:
+    name = key.rpartition(".")[2]
+    if name in NEUTRAL_ONLY:
+        if value != NEUTRAL_ONLY[name]:
+            raise ValueError(f"{where}{key}={value!r} is not supported (only {NEUTRAL_ONLY[name]!r})")
+        return True
+    parts = key.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(fnmatch.fnmatchcase(p, pattern) for p in prefixes for pattern in IGNORED)
+
+
+def _typed(key: str, value: Any, default: Any) -> Any:
+    """`value` checked (and widened: int -> float, scalar -> str, str -> [str]) against the
+    kind of `key`; one-line ValueError otherwise."""
+    kind, nullable = SPECS.get(key) or (_kind_of(default), default is None)
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError(f"{key}=null: expected {_KIND_NAMES[kind]}")
+    if kind.startswith("list[") and isinstance(value, list):
+        item_kind = kind[5:-1]
+        # list items are not stringified: [console, 5] is a mistake, not a name
+        items = [(v if isinstance(v, str) else None) if item_kind == "str" else _coerce(v, item_kind)
+                 for v in value]
+        if any(v is None for v in items):
+            raise ValueError(f"{key}={value!r}: expected {_KIND_NAMES[kind]}")
+        return items
+    coerced = _coerce(value, kind)
+    if coerced is None:
+        or_null = " or null" if nullable else ""
+        raise ValueError(f"{key}={value!r}: expected {_KIND_NAMES[kind]}{or_null}, "
+                         f"got {type(value).__name__}")
+    if key in CHOICES and coerced not in CHOICES[key]:
+        raise ValueError(f"{key}={coerced!r}: choose one of {', '.join(CHOICES[key])}")
+    return coerced
+
+
+def _coerce(value: Any, kind: str) -> Any:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int":
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if kind == "float":
+        return float(value) if is_number else None
+    if kind == "bool":
+        return value if isinstance(value, bool) else None
+    if kind == "str":
+        return value if isinstance(value, str) else (str(value) if is_number else None)
+    if kind == "list[str]":
+        return [value] if isinstance(value, str) else None
+    if kind == "files":
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        return value if ok else None
+    return None
+
+
+def _kind_of(default: Any) -> str:
+    if isinstance(default, list):
+        return f"list[{_kind_of(default[0])}]" if default else "list[str]"
+    for kind, typ in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if isinstance(default, typ):
+            return kind
+    raise TypeError(f"no type for a default of {default!r}: add the key to SPECS")
+
+
+def _set(tree: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """Training layout of one role: tp * pp * dp = world size."""
+
+    tp: int
+    pp: int
+    dp: int
+    sequence_parallel: bool   # effective: requested and tp > 1
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Per-role training layouts and the generation TP degree t_g (p_g = 1); None for a role
+    the algorithm does not use."""
+
+    world_size: int
+    actor: RoleLayout
+    ref: RoleLayout | None
+    critic: RoleLayout | None
+    rollout_tp: int
+
+    @property
+    def rollout_dp(self) -> int:
+        """Generation replicas over the whole world."""
+        return self.world_size // self.rollout_tp
+
+    @property
+    def micro_dp(self) -> int:
+        """d_g = t·p / t_g: generation replicas inside one actor training replica."""
+        return self.actor.tp * self.actor.pp // self.rollout_tp
+
+
+def uses_critic(cfg: DictConfig) -> bool:
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def uses_reference(cfg: DictConfig) -> bool:
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def _role_layout(megatron: DictConfig, section: str, world_size: int) -> RoleLayout:
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(f"{section}.tensor_model_parallel_size * pipeline_model_parallel_size = "
+                         f"{tp}*{pp} must be positive and divide the world size {world_size}")
+    return RoleLayout(tp, pp, world_size // (tp * pp), bool(megatron.sequence_parallel) and tp > 1)
+
+
+def derive_layout(cfg: DictConfig, world_size: int) -> EngineLayout:
+    """Layouts of actor, reference, critic and the rollout TP from the config and world size."""
+    if world_size < 1:
+        raise ValueError(f"world size {world_size} must be >= 1")
+    aro = cfg.actor_rollout_ref
+    actor = _role_layout(aro.actor.megatron, _A + "megatron", world_size)
+    ref = _role_layout(aro.ref.megatron, _F + "megatron", world_size) if uses_reference(cfg) else None
+    critic = _role_layout(cfg.critic.megatron, "critic.megatron", world_size) if uses_critic(cfg) else None
+    rollout_tp = aro.rollout.tensor_model_parallel_size
+    if rollout_tp < 1 or (actor.tp * actor.pp) % rollout_tp:
+        raise ValueError(f"{_R}tensor_model_parallel_size={rollout_tp} must divide actor tp*pp = "
+                         f"{actor.tp}*{actor.pp}: the generation layout has d_g = tp*pp/t_g replicas "
+                         f"per training replica")
+    return EngineLayout(world_size, actor, ref, critic, rollout_tp)
+
+
+# ----------------------------------------------------------------------------- validation
+
+# Single-field ranges (null skips the check for nullable keys).
+RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
+    ("must be > 0", lambda v: v > 0, (
+        "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+        "data.gen_batch_size", "data.val_batch_size", _A + "ppo_mini_batch_size",
+        _A + "ppo_micro_batch_size_per_gpu", _A + "ppo_max_token_len_per_gpu", _A + "ppo_epochs",
+        _A + "clip_ratio", _A + "clip_ratio_low", _A + "clip_ratio_high", _R + "n", _R + "max_num_seqs",
+        _R + "val_kwargs.n", _R + "log_prob_micro_batch_size_per_gpu", _R + "log_prob_max_token_len_per_gpu",
+        _F + "log_prob_micro_batch_size_per_gpu", _F + "log_prob_max_token_len_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
+        "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu", "critic.cliprange_value",
+        "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "trainer.total_epochs",
+        "trainer.total_training_steps", "trainer.nnodes", "trainer.n_gpus_per_node",
+        "trainer.collective_timeout_s", "trainer.hybrid_engine.reshard_bucket_mb")),
+    ("must be >= 0", lambda v: v >= 0, (
+        _A + "entropy_coeff", _A + "kl_loss_coef", _A + "grad_clip", _A + "optim.lr",
+        _A + "optim.weight_decay", "critic.grad_clip", "critic.optim.lr", "critic.optim.weight_decay",
+        _R + "temperature", _R + "val_kwargs.temperature", "algorithm.kl_ctrl.kl_coef",
+        "algorithm.filter_groups.max_num_gen_batches", "reward_model.overlong_buffer.penalty_factor")),
+    ("must be in [0, 1]", lambda v: 0 <= v <= 1, (
+        "algorithm.gamma", "algorithm.lam", _A + "optim.lr_warmup_steps_ratio", _A + "optim.min_lr_ratio",
+        "critic.optim.lr_warmup_steps_ratio", "critic.optim.min_lr_ratio")),
+    ("must be in (0, 1]", lambda v: 0 < v <= 1, (
+        _R + "top_p", _R + "val_kwargs.top_p", _R + "gpu_memory_utilization")),
+    ("must be >= -1 (-1 or 0: off)", lambda v: v >= -1, (_R + "top_k", _R + "val_kwargs.top_k")),
+    ("must be > 1 (dual-clip bound)", lambda v: v > 1, (_A + "clip_ratio_c",)),
+    ("must be two numbers in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+     (_A + "optim.betas", "critic.optim.betas")),
+)
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    for message, ok, keys in RANGES:
+        for key in keys:
+            value = OmegaConf.select(cfg, key)
+            if value is not None and not ok(value):
+                raise ValueError(f"{key}={value} {message}")
+
+
+def _check_algorithm(cfg: DictConfig) -> None:
+    algo, data, n = cfg.algorithm, cfg.data, cfg.actor_rollout_ref.rollout.n
+    if cfg.actor_rollout_ref.model.path is None:
+        raise ValueError("actor_rollout_ref.model.path must be set (a Hugging Face model directory)")
+    if uses_critic(cfg) and cfg.critic.model.path is None:
+        raise ValueError("critic.model.path must be set when algorithm.adv_estimator=gae")
+    if algo.adv_estimator in ("grpo", "rloo") and n < 2:
+        raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a "
+                         f"prompt: set {_R}n >= 2 (got {n})")
+    if algo.filter_groups.enable and n < 2:
+        raise ValueError(f"algorithm.filter_groups.enable=true filters groups of responses: set {_R}n >= 2")
+    if not algo.filter_groups.enable and data.gen_batch_size != data.train_batch_size:
+        raise ValueError(f"data.gen_batch_size={data.gen_batch_size} != data.train_batch_size="
+                         f"{data.train_batch_size}: it is only used with algorithm.filter_groups.enable=true")
+    overlong = cfg.reward_model.overlong_buffer
+    if overlong.enable and cfg.reward_model.reward_manager != "dapo":
+        raise ValueError("reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo")
+    if overlong.enable and not 0 < overlong.len <= data.max_response_length:
+        raise ValueError(f"reward_model.overlong_buffer.len={overlong.len} must be in "
+                         f"(0, data.max_response_length={data.max_response_length}]")
+    if cfg.reward_model.enable:
+        raise ValueError("reward_model.enable=true: model-based rewards are not supported; "
+                         "use the rule rewards or custom_reward_function.path")
+    if cfg.trainer.resume_mode == "resume_path" and cfg.trainer.resume_from_path is None:
+        raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+
+
+def _check_train_batches(cfg: DictConfig, section: str, role: RoleLayout) -> None:
+    """verl's rule: ppo_mini_batch_size counts prompts, so a mini-batch is mini * n sequences,
+    split evenly over the role's DP ranks, then into ppo_micro_batch_size_per_gpu micro-batches."""
+    node, prompts = OmegaConf.select(cfg, section), cfg.data.train_batch_size
+    n = cfg.actor_rollout_ref.rollout.n
+    mini = node.ppo_mini_batch_size
+    if prompts % mini:
+        raise ValueError(f"data.train_batch_size={prompts} must be a multiple of "
+                         f"{section}.ppo_mini_batch_size={mini}")
+    sequences = mini * n
+    if sequences % role.dp:
+        raise ValueError(f"{section}.ppo_mini_batch_size * rollout.n = {mini}*{n} sequences do not split "
+                         f"over data-parallel size {role.dp} (= world / (tp {role.tp} * pp {role.pp}))")
+    micro = node.ppo_micro_batch_size_per_gpu
+    if node.use_dynamic_bsz:
+        return
+    if micro is None:
+        raise ValueError(f"{section}.ppo_micro_batch_size_per_gpu must be set when "
+                         f"{section}.use_dynamic_bsz=false")
+    if (sequences // role.dp) % micro:
+        raise ValueError(f"{section}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank "
+                         f"mini-batch of {mini}*{n}/{role.dp} = {sequences // role.dp} sequences")
+
+
+def _check_forward_batches(cfg: DictConfig, layout: EngineLayout) -> None:
+    rollout, ref, critic = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
+    needed = [(_R + "log_prob", rollout.log_prob_use_dynamic_bsz, rollout.log_prob_micro_batch_size_per_gpu)]
+    if layout.ref is not None:
+        needed.append((_F + "log_prob", ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu))
+    if layout.critic is not None:
+        needed.append(("critic.forward", critic.use_dynamic_bsz, critic.forward_micro_batch_size_per_gpu))
+    for stem, dynamic, micro in needed:
+        if not dynamic and micro is None:
+            dynamic_key = "critic.use_dynamic_bsz" if stem.startswith("critic") else f"{stem}_use_dynamic_bsz"
+            raise ValueError(f"{stem}_micro_batch_size_per_gpu must be set when {dynamic_key}=false")
+
+
+def validate_config(cfg: DictConfig, world_size: int) -> EngineLayout:
+    """Ranges and cross-field checks (one-line ValueError naming the fields); returns the layout."""
+    _check_ranges(cfg)
+    _check_algorithm(cfg)
+    trainer = cfg.trainer
+    if trainer.n_gpus_per_node is not None and trainer.nnodes * trainer.n_gpus_per_node != world_size:
+        raise ValueError(f"trainer.nnodes * trainer.n_gpus_per_node = {trainer.nnodes}*"
+                         f"{trainer.n_gpus_per_node} but the launcher started {world_size} processes")
+    layout = derive_layout(cfg, world_size)
+    _check_train_batches(cfg, "actor_rollout_ref.actor", layout.actor)
+    if layout.critic is not None:
+        _check_train_batches(cfg, "critic", layout.critic)
+    _check_forward_batches(cfg, layout)
+    return layout

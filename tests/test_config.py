@@ -1,0 +1,258 @@
+"""Config loading, verl compatibility, one-line errors, cross-field checks, layouts."""
+import fnmatch
+import logging
+import shlex
+
+import pytest
+
+from hybridengine.config import (
+    ALIASES,
+    CHOICES,
+    IGNORED,
+    RANGES,
+    SPECS,
+    derive_layout,
+    load_config,
+    validate_config,
+)
+
+# The seed's verl quickstart command, verbatim after `launch/ppo.py`.
+VERL_COMMAND = """
+ data.train_files=data/processed/gsm8k/train.parquet data.val_files=data/processed/gsm8k/test.parquet \
+ data.train_batch_size=256 data.max_prompt_length=512 data.max_response_length=256 \
+ actor_rollout_ref.model.path=pretrained_models/Qwen2.5-0.5B-Instruct \
+ actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+ actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+ actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
+ actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.4 \
+ actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 critic.optim.lr=1e-5 \
+ critic.model.path=pretrained_models/Qwen2.5-0.5B-Instruct critic.ppo_micro_batch_size_per_gpu=4 \
+ algorithm.kl_ctrl.kl_coef=0.001 trainer.logger=['console'] trainer.val_before_train=False \
+ trainer.default_hdfs_dir=null trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.save_freq=10 \
+ trainer.test_freq=10 trainer.total_epochs=15
+"""
+RECIPE = ["--config", "configs/gsm8k_qwen2_5_0_5b.yaml"]
+
+
+def _leaves(node, prefix=""):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key
+
+
+def test_verl_command_is_accepted(caplog):
+    with caplog.at_level(logging.WARNING, logger="hybridengine.config"):
+        cfg = load_config(shlex.split(VERL_COMMAND))
+    assert cfg.data.train_batch_size == 256 and cfg.data.max_response_length == 256
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-6)
+    assert cfg.critic.optim.lr == pytest.approx(1e-5)
+    assert cfg.trainer.logger == ["console"] and cfg.trainer.val_before_train is False
+    # interpolations follow the overrides
+    assert cfg.actor_rollout_ref.rollout.response_length == 256
+    assert cfg.critic.ppo_mini_batch_size == 64
+    assert cfg.trainer.default_local_dir == "checkpoints/hybridengine/gsm8k"
+    assert "default_hdfs_dir" not in cfg.trainer
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring verl keys that have no meaning in hybridengine: trainer.default_hdfs_dir"]
+    layout = validate_config(cfg, world_size=1)
+    assert layout.critic is not None and layout.ref is None     # PPO with GAE, KL off
+
+
+def test_recipe_file_equals_the_command():
+    from_file = load_config(RECIPE)
+    from_command = load_config(shlex.split(VERL_COMMAND))
+    assert from_file == from_command
+
+
+def test_defaults_are_self_consistent():
+    from omegaconf import OmegaConf
+    cfg = load_config([])
+    leaves = set(_leaves(OmegaConf.to_container(cfg)))
+    tables = list(SPECS) + list(CHOICES) + list(ALIASES.values()) + [k for _, _, keys in RANGES for k in keys]
+    assert not [k for k in tables if k not in leaves]
+    # an ignore pattern must never swallow a real key
+    assert not [(k, p) for k in leaves for p in IGNORED if fnmatch.fnmatchcase(k, p)]
+    for key, choices in CHOICES.items():
+        assert OmegaConf.select(cfg, key) in choices
+
+
+def test_choices_match_the_rl_modules():
+    losses = pytest.importorskip("hybridengine.rl.losses")
+    advantages = pytest.importorskip("hybridengine.rl.advantages")
+    assert set(CHOICES["actor_rollout_ref.actor.loss_agg_mode"]) == set(losses.LOSS_AGG_MODES)
+    assert set(CHOICES["algorithm.kl_penalty"]) == set(advantages.KL_KINDS)
+
+
+@pytest.mark.parametrize("override, nearest", [
+    ("actor_rollout_ref.actor.ppo_mini_batchsize=4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("actor_rollout_ref.actr.optim.lr=1", "actor_rollout_ref.actor.optim.lr"),
+    ("algorithm.kl_ctrl.kl_coeff=0.1", "algorithm.kl_ctrl.kl_coef"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+])
+def test_unknown_key_names_nearest(override, nearest):
+    key = override.partition("=")[0]
+    with pytest.raises(ValueError, match=f"unknown config key '{key}' .*'{nearest}'"):
+        load_config([override])
+
+
+def test_ignored_keys_warn_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="hybridengine.config"):
+        cfg = load_config(["actor_rollout_ref.model.use_remove_padding=True",
+                           "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                           "+ray_init.num_cpus=4", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+                           "trainer.critic_warmup=0", "trainer.critic_warmup=0"])
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert message.count("trainer.critic_warmup") == 1
+    for key in ("use_remove_padding", "fsdp_config.param_offload", "ray_init.num_cpus", "ulysses"):
+        assert key in message
+    assert "fsdp_config" not in cfg.actor_rollout_ref.actor
+
+
+def test_unsupported_feature_rejected_unless_neutral():
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 is not supported"):
+        load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.train_batch_size=abc", "data.train_batch_size='abc': expected an integer, got str"),
+    ("data.train_batch_size=True", "expected an integer, got bool"),
+    ("data.train_batch_size=8.5", "expected an integer, got float"),
+    ("trainer.logger=5", "trainer.logger=5: expected a list of strings, got int"),
+    ("trainer.logger=[console,5]", "expected a list of strings"),
+    ("trainer.logger={a: 1}", "expected a list of strings, got dict"),
+    ("actor_rollout_ref.actor.use_kl_loss=maybe", "expected true/false"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "expected a number"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=x", "expected an integer or null"),
+    ("data.train_files=null", "data.train_files=null: expected a path or a list of paths"),
+    ("algorithm.adv_estimator=ppo", "choose one of gae, grpo, rloo, reinforce_plus_plus"),
+    ("actor_rollout_ref.actor.loss_agg_mode=mean", "choose one of token-mean"),
+    ("trainer=1", "trainer is a config section"),
+    ("data.train_batch_size=${data.nope}", "interpolation failed"),
+])
+def test_wrong_types_are_one_line(override, message):
+    with pytest.raises(ValueError) as info:
+        load_config([override])
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_widening_and_hydra_syntax():
+    cfg = load_config(["critic.optim.lr=1", "trainer.experiment_name=2024", "trainer.logger=tensorboard",
+                       "+trainer.seed=7", "++data.val_files=null", "data.train_files=[a.parquet,b.jsonl]",
+                       "actor_rollout_ref.actor.optim.warmup_style=cosine",
+                       "actor_rollout_ref.actor.optim.clip_grad=0.5",
+                       "trainer.total_training_steps=${data.train_batch_size}"])
+    assert cfg.critic.optim.lr == 1.0 and isinstance(cfg.critic.optim.lr, float)
+    assert cfg.trainer.experiment_name == "2024" and cfg.trainer.logger == ["tensorboard"]
+    assert cfg.trainer.seed == 7 and cfg.data.val_files is None
+    assert list(cfg.data.train_files) == ["a.parquet", "b.jsonl"]
+    assert cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"      # verl alias
+    assert cfg.actor_rollout_ref.actor.grad_clip == 0.5                          # Megatron alias
+    assert cfg.trainer.total_training_steps == 1024
+    with pytest.raises(Exception):
+        cfg.trainer.not_a_key                                                    # struct mode
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="not a key=value"):
+        load_config(["trainer.logger"])
+    with pytest.raises(ValueError, match="unknown argument '--foo'"):
+        load_config(["--foo"])
+    with pytest.raises(ValueError, match="deleting keys"):
+        load_config(["~trainer.logger"])
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(["--config", "nope.yaml"])
+
+
+def test_config_files_merge_in_order_then_overrides(tmp_path):
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("data:\n  train_batch_size: 32\ntrainer:\n  project_name: p1\n")
+    second.write_text("trainer:\n  project_name: p2\n  experiment_name: e2\n")
+    # overrides win even when written before the files
+    cfg = load_config(["trainer.experiment_name=cli", "--config", str(first), f"--config={second}"])
+    assert cfg.data.train_batch_size == 32
+    assert cfg.data.max_prompt_length == 512                       # untouched default
+    assert cfg.trainer.project_name == "p2" and cfg.trainer.experiment_name == "cli"
+    assert cfg.trainer.default_local_dir == "checkpoints/p2/cli"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor_rollout_ref:\n  actor:\n    ppo_epoch: 2\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown config key 'actor_rollout_ref.actor.ppo_epoch'"):
+        load_config(["--config", str(bad)])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [unclosed\n")
+    with pytest.raises(ValueError, match="broken.yaml: invalid YAML"):
+        load_config(["--config", str(broken)])
+
+
+def test_algorithm_presets_layer_over_the_recipe():
+    grpo = load_config(RECIPE + ["--config", "configs/grpo.yaml"])
+    layout = validate_config(grpo, world_size=1)
+    assert grpo.algorithm.adv_estimator == "grpo" and grpo.actor_rollout_ref.rollout.n == 8
+    assert layout.critic is None and layout.ref is not None
+    dapo = load_config(RECIPE + ["--config", "configs/dapo.yaml"])
+    layout = validate_config(dapo, world_size=1)
+    actor = dapo.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert dapo.algorithm.filter_groups.enable and dapo.reward_model.overlong_buffer.enable
+    assert layout.critic is None and layout.ref is None
+
+
+def _tp_pp(tp, pp):
+    return [f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+            f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["data.train_batch_size=100"], 1, "data.train_batch_size=100 must be a multiple of "
+                                       "actor_rollout_ref.actor.ppo_mini_batch_size=64"),
+    (["trainer.n_gpus_per_node=null", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+      "data.train_batch_size=4"], 4, "ppo_mini_batch_size * rollout.n = 2*1 sequences do not split over "
+                                     "data-parallel size 4"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 1, "ppo_micro_batch_size_per_gpu=5 must divide"),
+    (["critic.ppo_micro_batch_size_per_gpu=null"], 1, "critic.ppo_micro_batch_size_per_gpu must be set"),
+    (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null"], 1,
+     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu must be set"),
+    (["trainer.n_gpus_per_node=6"] + _tp_pp(2, 2), 6, "2*2 must be positive and divide the world size 6"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"] + _tp_pp(2, 1), 4,
+     "rollout.tensor_model_parallel_size=4 must divide actor tp*pp = 2*1"),
+    (["trainer.n_gpus_per_node=2"], 1, "trainer.nnodes * trainer.n_gpus_per_node = 1*2"),
+    (["algorithm.adv_estimator=grpo"], 1, "set actor_rollout_ref.rollout.n >= 2"),
+    (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=64"], 1,
+     "needs reward_model.reward_manager=dapo"),
+    (["reward_model.overlong_buffer.enable=true", "reward_model.reward_manager=dapo",
+      "reward_model.overlong_buffer.len=999"], 1, "overlong_buffer.len=999 must be in (0, data.max_response_length=256]"),
+    (["data.gen_batch_size=512"], 1, "only used with algorithm.filter_groups.enable=true"),
+    (["reward_model.enable=true"], 1, "model-based rewards are not supported"),
+    (["trainer.resume_mode=resume_path"], 1, "needs trainer.resume_from_path"),
+    (["actor_rollout_ref.actor.clip_ratio_c=1.0"], 1, "clip_ratio_c=1.0 must be > 1"),
+    (["actor_rollout_ref.rollout.top_p=0"], 1, "top_p=0.0 must be in (0, 1]"),
+    (["actor_rollout_ref.model.path=null"], 1, "actor_rollout_ref.model.path must be set"),
+])
+def test_cross_field_errors(overrides, world_size, message):
+    cfg = load_config(RECIPE + overrides)
+    with pytest.raises(ValueError) as info:
+        validate_config(cfg, world_size)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_dynamic_bsz_needs_no_micro_batch_size():
+    cfg = load_config(RECIPE + ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+                                "critic.ppo_micro_batch_size_per_gpu=null",
+                                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null"])
+    validate_config(cfg, world_size=1)
+
+
+def test_layout_derivation():
+    cfg = load_config(RECIPE + ["--config", "configs/grpo.yaml", "trainer.n_gpus_per_node=8",
+                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                                "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1"] + _tp_pp(2, 2))
+    layout = validate_config(cfg, world_size=8)
+    assert (layout.actor.tp, layout.actor.pp, layout.actor.dp, layout.actor.sequence_parallel) == (2, 2, 2, True)
+    assert (layout.ref.tp, layout.ref.pp, layout.ref.dp) == (2, 1, 4)     # tp inherited from the actor
+    assert layout.critic is None
+    assert (layout.rollout_tp, layout.rollout_dp, layout.micro_dp) == (2, 4, 2)
+    # with tp = 1 sequence parallelism is off whatever the flag says
+    assert not derive_layout(load_config(RECIPE), 1).actor.sequence_parallel
