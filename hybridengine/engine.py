@@ -1,0 +1,198 @@
+"""TrainEngine: one model role (actor, critic or reference) on one training layout.
+
+Composes the pieces below it: the Decoder stage of this rank (models), the 1F1B and forward-only
+schedules (parallel.pipeline) and the distributed optimizer (parallel.optimizer). It knows nothing
+about RL: a caller hands it packed micro-batches and a loss function.
+
+    engine.train_step(microbatches, loss_fn) -> metrics   (one optimizer step)
+    engine.forward_only(microbatches)        -> per-token outputs on every rank
+
+A MicroBatch is a PackedInput plus per-token tensors of its real (unpadded) tokens, e.g.
+`targets` (the next token of each position, any value at a sequence's last position), masks,
+advantages. Every rank of a model replica (all TP and PP ranks of one DP rank) is given the same
+micro-batches; DP ranks get different ones, the same number each.
+
+Outputs per token on the last stage: {"logprob", "entropy"} of `targets` (at a temperature) for a
+language model, {"values"} for a critic. loss_fn(outputs, mb) -> (loss, metrics) returns the
+micro-batch's share of the batch loss (the DP reduction sums gradients).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hybridengine.models.attention import PackedInput
+from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
+from hybridengine.parallel.optimizer import DistributedOptimizer, LRSchedule
+from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
+    train_1f1b
+
+
+@dataclass
+class MicroBatch:
+    packed: PackedInput
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (without the sequence-parallel pad)."""
+        return self.packed.num_tokens - self.packed.num_pad
+
+    def to(self, device) -> "MicroBatch":
+        p = self.packed
+        packed = PackedInput(p.input_ids.to(device), p.position_ids.to(device),
+                             p.cu_seqlens.to(device), p.max_seqlen, p.num_pad)
+        return MicroBatch(packed, {k: v.to(device) for k, v in self.tensors.items()})
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float | None = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    use_distributed_optimizer: bool = True
+    bucket_mb: float = 40.0
+
+
+class TrainEngine:
+    def __init__(self, model_dir, mesh, *, sequence_parallel: bool = True,
+                 value_head: bool = False, dtype=torch.float32, device="cpu",
+                 optim: OptimConfig | None = None, temperature: float = 1.0):
+        self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
+        self.model_dir, self.temperature = model_dir, temperature
+        self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
+                                  value_head=value_head, dtype=dtype, device=self.device)
+        self.cfg = self.model.cfg
+        self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
+        self.embedding_group = self._build_embedding_group()
+        self.optimizer = None
+        if optim is not None:
+            self.optimizer = self._build_optimizer(optim)
+        else:
+            self.model.requires_grad_(False)
+
+    # --- setup --------------------------------------------------------------------------------
+    def _build_embedding_group(self):
+        """Ranks holding the two copies of a tied embedding (first and last stage), per (dp, tp).
+        Built collectively on every rank; None when there is no second copy."""
+        lay, mine = self.mesh.layout, None
+        if not (self.cfg.tie_word_embeddings and lay.pp > 1 and not self.model.value_head):
+            return None
+        for d in range(lay.dp):
+            for t in range(lay.tp):
+                ranks = [lay.rank(0, d, t), lay.rank(lay.pp - 1, d, t)]
+                g = dist.new_group(ranks)
+                if self.mesh.rank in ranks:
+                    mine = g
+        return mine
+
+    def _build_optimizer(self, o: OptimConfig) -> DistributedOptimizer:
+        tp, tied_copy = self.mesh.tp, self.embedding_group is not None and self.mesh.is_last_stage
+
+        def counted(name, p):
+            if name == "lm_head.weight" and tied_copy:
+                return False            # the first stage's embedding counts for both copies
+            return self.mesh.tp_rank == 0 or not is_tp_replicated(name, self.cfg, tp)
+        schedule = LRSchedule(o.lr, total_steps=o.total_steps, warmup_steps=o.warmup_steps,
+                              warmup_style=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        return DistributedOptimizer(
+            list(self.model.named_parameters()), self.mesh.dp_group, self.mesh.mp_group,
+            self.mesh.tp_group, lr=schedule, betas=o.betas, eps=o.eps,
+            weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+            use_distributed_optimizer=o.use_distributed_optimizer, bucket_mb=o.bucket_mb,
+            grad_reduce="sum", count_in_grad_norm=counted)
+
+    # --- one stage's forward ------------------------------------------------------------------
+    def _activation_shape(self, mbs):
+        tp = self.mesh.tp if self.model.sp else 1
+
+        def shape(i):
+            return torch.Size((mbs[i].packed.num_tokens // tp, self.cfg.hidden_size))
+        return shape
+
+    def _stage_outputs(self, mb: MicroBatch, hidden_in):
+        """Run this stage; on the last stage return the per-token outputs of the real tokens."""
+        hidden = self.model(mb.packed, hidden_in)
+        if not self.mesh.is_last_stage:
+            return hidden
+        strip = mb.packed.strip
+        if self.model.value_head is not None:
+            return {"values": strip(self.model.values(hidden))}
+        targets = torch.nn.functional.pad(mb.tensors["targets"], (0, mb.packed.num_pad))
+        logp, ent = self.model.logprob_entropy(hidden, targets, self.temperature)
+        return {"logprob": strip(logp), "entropy": strip(ent)}
+
+    # --- public -------------------------------------------------------------------------------
+    def train_step(self, microbatches: list[MicroBatch], loss_fn) -> dict:
+        """Forward/backward over all micro-batches (1F1B), gradient sync, one optimizer step.
+        Returns metrics averaged over micro-batches (on the last stage; broadcast to all ranks)
+        plus grad_norm, lr and whether the update was applied."""
+        opt = self.optimizer
+        opt.zero_grad()
+        metrics: list[dict] = []
+        self.model.train()
+
+        def forward_step(i, x):
+            out = self._stage_outputs(microbatches[i], x)
+            if not self.mesh.is_last_stage:
+                return out
+            loss, m = loss_fn(out, microbatches[i])
+            metrics.append({k: float(v) for k, v in m.items()})
+            return loss
+        train_1f1b(forward_step, len(microbatches), self._activation_shape(microbatches),
+                   self.comm)
+        self._sync_tied_embedding_grads()
+        opt.finish_grad_sync()
+        lr = opt.current_lr
+        grad_norm, stepped = opt.step()     # the LR schedule advances per trainer step (caller)
+        out = self._share_metrics(metrics)
+        out.update(grad_norm=grad_norm, lr=lr, stepped=float(stepped))
+        return out
+
+    def _sync_tied_embedding_grads(self):
+        if self.embedding_group is None:
+            return
+        p = self.model.embed_tokens.weight if self.mesh.is_first_stage \
+            else self.model.lm_head.weight
+        dist.all_reduce(p.main_grad, group=self.embedding_group)
+
+    def _share_metrics(self, metrics: list[dict]) -> dict:
+        """Mean of the last stage's micro-batch metrics, delivered to every pipeline stage."""
+        keys = sorted(metrics[0]) if metrics else []
+        if self.mesh.pp > 1:
+            obj = [keys]
+            dist.broadcast_object_list(obj, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
+            keys = obj[0]
+        vals = torch.tensor([sum(m[k] for m in metrics) / max(len(metrics), 1) for k in keys],
+                            dtype=torch.float64)
+        if self.mesh.pp > 1:
+            vals = vals.to(self.device)
+            dist.broadcast(vals, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
+        return dict(zip(keys, vals.tolist()))
+
+    @torch.no_grad()
+    def forward_only(self, microbatches: list[MicroBatch]) -> list[dict[str, torch.Tensor]]:
+        """Per-token outputs of every micro-batch, on every rank of the replica."""
+        self.model.eval()
+        outs = forward_only(lambda i, x: self._stage_outputs(microbatches[i], x),
+                            len(microbatches), self._activation_shape(microbatches), self.comm)
+        keys = ["values"] if self.model.value_head is not None else ["logprob", "entropy"]
+        sizes = [mb.num_tokens for mb in microbatches]
+        result = [dict() for _ in microbatches]
+        for k in keys:
+            flat = broadcast_from_last_stage([o[k] for o in outs], sizes, self.mesh,
+                                             device=self.device)
+            for r, t in zip(result, flat):
+                r[k] = t
+        return result
+
+    def save_hf(self, out_dir, dtype=None) -> None:
+        save_hf(self.model, out_dir, self.mesh, src_dir=self.model_dir, dtype=dtype)
