@@ -133,8 +133,8 @@ class TrainEngine:
     # --- public -------------------------------------------------------------------------------
     def train_step(self, microbatches: list[MicroBatch], loss_fn) -> dict:
         """Forward/backward over all micro-batches (1F1B), gradient sync, one optimizer step.
-        Returns metrics averaged over micro-batches (on the last stage; broadcast to all ranks)
-        plus grad_norm, lr and whether the update was applied."""
+        Returns loss_fn's metrics averaged over micro-batches and DP ranks (on every rank), plus
+        grad_norm, lr and whether the update was applied."""
         opt = self.optimizer
         opt.zero_grad()
         metrics: list[dict] = []
@@ -165,7 +165,7 @@ class TrainEngine:
         dist.all_reduce(p.main_grad, group=self.embedding_group)
 
     def _share_metrics(self, metrics: list[dict]) -> dict:
-        """Mean of the last stage's micro-batch metrics, delivered to every pipeline stage."""
+        """Mean over micro-batches and DP ranks of the last stage's metrics, on every rank."""
         keys = sorted(metrics[0]) if metrics else []
         if self.mesh.pp > 1:
             obj = [keys]
@@ -173,9 +173,12 @@ class TrainEngine:
             keys = obj[0]
         vals = torch.tensor([sum(m[k] for m in metrics) / max(len(metrics), 1) for k in keys],
                             dtype=torch.float64)
+        vals = vals.to(self.device)
         if self.mesh.pp > 1:
-            vals = vals.to(self.device)
             dist.broadcast(vals, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
+        if self.mesh.dp > 1:
+            dist.all_reduce(vals, group=self.mesh.dp_group)
+            vals /= self.mesh.dp
         return dict(zip(keys, vals.tolist()))
 
     @torch.no_grad()

@@ -1,10 +1,13 @@
 """Tiny random HF models saved to disk, and comparison helpers."""
 from __future__ import annotations
 
+import os
+
 import torch
 
-FIXTURES = __import__("os").path.join(__import__("os").path.dirname(__file__), "fixtures")
-STORIES = __import__("os").path.join(FIXTURES, "stories260k")
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+STORIES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                       "stories260k")
 
 
 def tiny_hf_model(kind: str, tied: bool, seed: int = 0, vocab: int = 97, layers: int = 2):

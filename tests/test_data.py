@@ -23,7 +23,7 @@ from hybridengine.rl.data import (
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 GSM8K_SAMPLE = FIXTURES / "gsm8k_sample.jsonl"
-STORIES = FIXTURES / "stories260k"
+STORIES = FIXTURES.parent.parent / "models" / "stories260k"
 QWEN = Path("/work/shared/models/qwen2-tokenizer")
 RAW = [json.loads(line) for line in GSM8K_SAMPLE.open()]
 

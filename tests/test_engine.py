@@ -49,10 +49,7 @@ def _train(layout, model_dir, out_dir):
             return loss, {"loss": loss.detach()}
         mbs = _microbatches(seqs, layout.dp, mesh.dp_rank, layout.tp)
         m = engine.train_step(mbs, loss_fn)
-        loss = torch.tensor(m["loss"] * NUM_MICRO, dtype=torch.float64)
-        if mesh.dp_group is not None:
-            torch.distributed.all_reduce(loss, group=mesh.dp_group)
-        history.append((loss.item(), m["grad_norm"]))
+        history.append((m["loss"] * NUM_MICRO * layout.dp, m["grad_norm"]))
     engine.save_hf(out_dir)
     return history
 

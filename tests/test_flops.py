@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hybridengine.rl.flops import (causal_attention_flops, decoder_flops, decoder_flops_from_hf,
                                    dense_flops_6n, matmul_params, mfu, peak_flops, throughput)
 
-FIXTURE = Path(__file__).parent / "fixtures" / "stories260k"
+FIXTURE = Path(__file__).parent.parent / "models" / "stories260k"
 
 # GQA (6 query heads over 2 KV groups), head_dim * num_heads != hidden, untied head: every term
 # of the formula has a distinct size, so a swapped term cannot cancel out.

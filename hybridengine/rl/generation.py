@@ -1,0 +1,111 @@
+"""The generation phase: switch the actor to its generation layout, generate, switch back.
+
+Prompts are dealt to generation-DP replicas round-robin (prompt i to replica i mod d_g); every
+rank of a generation-TP group generates the same prompts. Results are all-gathered over the world
+as padded id / log-prob tensors (no pickling) so every rank ends with the whole batch, in prompt
+order, exactly as one process would produce it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridengine.hybrid.reshard import HybridEngine
+from hybridengine.parallel.mesh import build_gen_mesh
+from hybridengine.parallel.tensor import all_gather_dim0
+from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.sampling import SamplingParams
+
+
+@dataclass
+class Generated:
+    response_ids: list[list[int]]      # prompt-major: prompt i, sample j at i*n + j
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    num_generated_tokens: int
+    seconds: float
+
+
+class Generator:
+    """Owns the HybridEngine and the rollout engine of the actor."""
+
+    def __init__(self, actor_engine, gen_tp: int, rollout_cfg, reshard_mode: str,
+                 bucket_mb: float, dtype: torch.dtype, max_model_len: int,
+                 offload=None, reload=None):
+        self.actor, self.mesh = actor_engine, actor_engine.mesh
+        self.gen_mesh = build_gen_mesh(self.mesh.layout, gen_tp)
+        self.hybrid = HybridEngine(actor_engine.cfg, self.mesh, self.gen_mesh, mode=reshard_mode,
+                                   bucket_mb=bucket_mb, dtype=dtype, offload=offload,
+                                   reload=reload)
+        self.cfg, self.dtype, self.max_model_len = rollout_cfg, dtype, max_model_len
+        self.engine: Engine | None = None
+
+    def _rollout_engine(self, model) -> Engine:
+        if self.engine is None:
+            c, dev = self.cfg, self.actor.device
+            self.engine = Engine(model, max_num_seqs=c.max_num_seqs,
+                                 max_model_len=self.max_model_len,
+                                 gpu_memory_utilization=c.gpu_memory_utilization,
+                                 max_prefill_tokens=max(16384, self.max_model_len),
+                                 enforce_eager=c.enforce_eager or dev.type != "cuda",
+                                 device=dev, dtype=self.dtype)
+        return self.engine
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generated:
+        t0 = time.perf_counter()
+        model = self.hybrid.to_generation(self.actor.model)
+        try:
+            engine = self._rollout_engine(model)
+            gm = self.gen_mesh
+            mine = list(range(gm.gen_dp_rank, len(prompts), gm.gen_dp))
+            results = engine.generate([prompts[i] for i in mine], params)
+            if self.cfg.free_cache_engine:
+                engine.free_cache()
+        finally:
+            self.hybrid.to_training()
+        out = self._gather(results, mine, len(prompts), params.n)
+        if self.actor.device.type == "cuda":
+            torch.cuda.synchronize()
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _gather(self, results, mine, num_prompts, n) -> Generated:
+        """All-gather every replica's results; keep gen-TP rank 0's copy of each replica's."""
+        width = max([len(r.token_ids) for r in results] + [1])
+        if dist.is_initialized():
+            w = torch.tensor([width], device=self.actor.device)
+            dist.all_reduce(w, op=dist.ReduceOp.MAX)
+            width = int(w.item())
+        rows = (num_prompts + self.gen_mesh.gen_dp - 1) // self.gen_mesh.gen_dp * n
+        ids = torch.full((rows, width + 2), -1, dtype=torch.float64)   # [len, finish, ids...]
+        lps = torch.zeros(rows, width, dtype=torch.float64)
+        for k, r in enumerate(results):
+            ids[k, 0], ids[k, 1] = len(r.token_ids), 1.0 if r.finish_reason == "stop" else 0.0
+            ids[k, 2:2 + len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.float64)
+            lps[k, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float64)
+        flat = torch.cat([ids, lps], dim=1).to(self.actor.device)
+        world = dist.group.WORLD if dist.is_initialized() else None
+        gathered = all_gather_dim0(flat, world).cpu() if world is not None else flat.cpu()
+        per_rank = gathered.view(-1, rows, flat.shape[1])
+        out_ids: list = [None] * (num_prompts * n)
+        out_lp: list = [None] * (num_prompts * n)
+        out_fin: list = [None] * (num_prompts * n)
+        for rank in range(per_rank.shape[0]):
+            dp_rank, tp_rank, _ = self.gen_mesh.gen_layout.coords(rank)
+            if tp_rank != 0:
+                continue
+            for k, p in enumerate(range(dp_rank, num_prompts, self.gen_mesh.gen_dp)):
+                for j in range(n):
+                    row = per_rank[rank, k * n + j]
+                    length = int(row[0])
+                    out_ids[p * n + j] = row[2:2 + length].long().tolist()
+                    out_lp[p * n + j] = row[2 + width:2 + width + length].float().tolist()
+                    out_fin[p * n + j] = "stop" if row[1] > 0 else "length"
+        total = sum(len(x) for x in out_ids)
+        return Generated(out_ids, out_lp, out_fin, total, 0.0)
+
+    def pop_metrics(self) -> dict:
+        return self.hybrid.pop_metrics()

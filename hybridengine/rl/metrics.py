@@ -1,0 +1,59 @@
+"""Batch statistics with verl's metric names, and the model FLOPs of one RL step."""
+from __future__ import annotations
+
+import torch
+
+from hybridengine.rl.advantages import masked_mean
+from hybridengine.rl.batch import Batch
+from hybridengine.rl.flops import decoder_flops
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(),
+            f"{prefix}/min": x.min().item()}
+
+
+def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
+    t, mask = batch.tensors, batch.response_mask
+    valid = mask.bool()
+    resp_len = mask.sum(-1)
+    prompt_len = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.float32)
+    out = {}
+    out.update(_stats("critic/score", t["token_level_scores"].sum(-1)))
+    out.update(_stats("critic/rewards", t["token_level_rewards"].sum(-1)))
+    out.update(_stats("critic/advantages", t["advantages"][valid]))
+    out.update(_stats("critic/returns", t["returns"][valid]))
+    out.update(_stats("response_length", resp_len))
+    out["response_length/clip_ratio"] = (resp_len >= batch.max_response_length).float().mean().item()
+    out.update(_stats("prompt_length", prompt_len))
+    if has_critic:
+        values, returns = t["values"], t["returns"]
+        out.update(_stats("critic/values", values[valid]))
+        var_ret = torch.var(returns[valid])
+        out["critic/vf_explained_var"] = (1.0 - torch.var(returns[valid] - values[valid])
+                                          / (var_ret + 1e-5)).item()
+    if "rollout_logprob" in t and "old_logprob" in t:
+        # How far the rollout engine's log-probs are from the trainer's (numerics, bf16 drift).
+        diff = (t["rollout_logprob"] - t["old_logprob"]).abs()
+        out["training/rollout_probs_diff_max"] = diff[valid].max().item() if valid.any() else 0.0
+        out["training/rollout_probs_diff_mean"] = masked_mean(diff, mask).item()
+    return out
+
+
+def step_flops(model_cfg, seqlens: list[int], cfg, has_ref: bool, has_critic: bool) -> float:
+    """Model FLOPs of the step's training-engine work: old/ref log-prob and value forwards and
+    the actor/critic updates (fwd+bwd per epoch). Generation is not counted (it is measured
+    by perf/gen_tokens_per_s), so perf/mfu reads as the training phases' utilisation over the
+    whole step time."""
+    c = model_cfg
+    args = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+            c.head_dim)
+    lm_fwd = decoder_flops(*args, c.vocab_size, seqlens)
+    value_fwd = decoder_flops(*args, 1, seqlens)
+    actor_epochs = cfg.actor_rollout_ref.actor.ppo_epochs
+    total = lm_fwd + 3 * lm_fwd * actor_epochs          # old log-probs + actor update
+    if has_ref:
+        total += lm_fwd
+    if has_critic:
+        total += value_fwd + 3 * value_fwd * cfg.critic.ppo_epochs
+    return float(total)

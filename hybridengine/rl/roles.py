@@ -1,0 +1,156 @@
+"""Actor, critic and reference: a TrainEngine each, plus RL micro-batching and losses.
+
+Roles see the whole step's Batch on every rank; each splits it over its own data-parallel group
+(token-balanced), packs micro-batches, and returns per-response-token results as [B, R] tensors
+on every rank. Loss normalisers are global (the whole mini-batch over all DP ranks and
+micro-batches), so gradient sums over DP equal a single-process run (see rl.losses).
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from hybridengine.engine import OptimConfig, TrainEngine
+from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
+    microbatch_plan
+from hybridengine.rl.losses import compute_entropy_loss, compute_kl_loss, compute_policy_loss, \
+    compute_value_loss, loss_normalizer
+
+
+def optim_config(optim: DictConfig, megatron: DictConfig, grad_clip: float,
+                 total_steps: int) -> OptimConfig:
+    warmup = optim.lr_warmup_steps
+    if warmup is None or warmup < 0:
+        warmup = int((optim.lr_warmup_steps_ratio or 0.0) * total_steps)
+    return OptimConfig(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                       grad_clip=grad_clip, warmup_steps=warmup, total_steps=total_steps,
+                       schedule=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio or 0.0,
+                       use_distributed_optimizer=megatron.get("use_distributed_optimizer", True))
+
+
+class Role:
+    """Scoring (forward-only) shared by all roles."""
+
+    def __init__(self, engine: TrainEngine, micro_batch_size, max_tokens, use_dynamic_bsz):
+        self.engine, self.mesh = engine, engine.mesh
+        self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
+        self.use_dynamic_bsz = use_dynamic_bsz
+
+    def _plan(self, batch: Batch, micro: tuple | None = None):
+        """micro = (micro_batch_size, max_tokens, use_dynamic_bsz); default: the scoring one."""
+        size, max_tokens, dynamic = micro or (self.micro_batch_size, self.max_tokens,
+                                              self.use_dynamic_bsz)
+        return microbatch_plan(batch, dp_shards(batch, self.mesh.dp), size, max_tokens, dynamic)
+
+    def _microbatches(self, batch, idx_lists, fields=()):
+        dev = self.engine.device
+        return [build_microbatch(batch, idx, self.mesh.tp, fields).to(dev) for idx in idx_lists]
+
+    @torch.no_grad()
+    def score(self, batch: Batch, key: str) -> torch.Tensor:
+        """Per-response-token `key` ('logprob', 'entropy' or 'values') as [B, R] on every rank."""
+        plan = self._plan(batch)
+        mbs = self._microbatches(batch, plan[self.mesh.dp_rank])
+        outs = self.engine.forward_only(mbs)
+        local = [o[key][mb.tensors["resp_idx"]] * mb.tensors["resp_mask"]
+                 for o, mb in zip(outs, mbs)]
+        return gather_response_tensor(local, plan, len(batch), batch.max_response_length,
+                                      self.mesh, self.engine.device)
+
+    def _mini_batches(self, batch: Batch, mini_size: int, epochs: int, shuffle: bool, seed: int):
+        """Yield mini-batches (index lists) for every epoch, reproducibly on every rank."""
+        n = len(batch)
+        for epoch in range(epochs):
+            order = list(range(n))
+            if shuffle:
+                g = torch.Generator().manual_seed(seed * 1000 + epoch)
+                order = torch.randperm(n, generator=g).tolist()
+            for s in range(0, n, mini_size):
+                yield order[s:s + mini_size]
+
+    def _update(self, batch: Batch, mini_size, epochs, shuffle, seed, micro, fields,
+                loss_builder):
+        """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics."""
+        all_metrics: list[dict] = []
+        for idx in self._mini_batches(batch, mini_size, epochs, shuffle, seed):
+            mini = batch.select(idx)
+            plan = self._plan(mini, micro)
+            mbs = self._microbatches(mini, plan[self.mesh.dp_rank], fields)
+            normalizer = loss_normalizer(mini.response_mask, self.loss_agg_mode)
+            scale = len(mbs) * self.mesh.dp      # metrics: mean over (mb, dp) x scale = sum
+            all_metrics.append(self.engine.train_step(mbs, loss_builder(normalizer, scale)))
+        keys = all_metrics[0].keys()
+        return {k: sum(m[k] for m in all_metrics) / len(all_metrics) for k in keys}
+
+
+class Actor(Role):
+    def __init__(self, engine: TrainEngine, cfg: DictConfig):
+        a, r = cfg.actor, cfg.rollout
+        super().__init__(engine, r.log_prob_micro_batch_size_per_gpu,
+                         r.log_prob_max_token_len_per_gpu, r.log_prob_use_dynamic_bsz)
+        self.cfg, self.loss_agg_mode = a, a.loss_agg_mode
+
+    def update(self, batch: Batch, n: int, seed: int) -> dict:
+        a = self.cfg
+        fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ())
+        micro = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz)
+        m = self._update(batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro,
+                         fields, self._loss)
+        return {f"actor/{k}": v for k, v in m.items()}
+
+    def _loss(self, normalizer: int, scale: int):
+        a = self.cfg
+
+        def loss_fn(out, mb):
+            t, mask = mb.tensors, mb.tensors["resp_mask"]
+            logp, ent = out["logprob"][t["resp_idx"]], out["entropy"][t["resp_idx"]]
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                t["old_logprob"], logp, t["advantages"], mask,
+                clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
+                clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None
+                else a.clip_ratio,
+                clip_ratio_c=a.clip_ratio_c, loss_agg_mode=self.loss_agg_mode,
+                global_normalizer=normalizer)
+            ent_loss = compute_entropy_loss(ent, mask, self.loss_agg_mode,
+                                            global_normalizer=normalizer)
+            loss = pg_loss - a.entropy_coeff * ent_loss
+            metrics = {"pg_loss": pg_loss.detach() * scale, "pg_clipfrac": clipfrac,
+                       "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower,
+                       "entropy": ent_loss.detach() * scale}
+            if a.use_kl_loss:
+                kl = compute_kl_loss(logp, t["ref_logprob"], mask, a.kl_loss_type,
+                                     self.loss_agg_mode, global_normalizer=normalizer)
+                loss = loss + a.kl_loss_coef * kl
+                metrics.update(kl_loss=kl.detach() * scale, kl_coef=a.kl_loss_coef)
+            return loss, metrics
+        return loss_fn
+
+
+class Critic(Role):
+    def __init__(self, engine: TrainEngine, cfg: DictConfig, loss_agg_mode: str):
+        super().__init__(engine, cfg.forward_micro_batch_size_per_gpu,
+                         cfg.forward_max_token_len_per_gpu, cfg.use_dynamic_bsz)
+        self.cfg, self.loss_agg_mode = cfg, loss_agg_mode
+
+    def update(self, batch: Batch, n: int, seed: int) -> dict:
+        c = self.cfg
+        micro = (c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz)
+        m = self._update(batch, c.ppo_mini_batch_size * n, c.ppo_epochs, c.shuffle, seed, micro,
+                         ("values", "returns"), self._loss)
+        return {f"critic/{k}": v for k, v in m.items()}
+
+    def _loss(self, normalizer: int, scale: int):
+        def loss_fn(out, mb):
+            t, mask = mb.tensors, mb.tensors["resp_mask"]
+            vpreds = out["values"][t["resp_idx"]]
+            vf_loss, vf_clipfrac = compute_value_loss(
+                vpreds, t["returns"], t["values"], mask, self.cfg.cliprange_value,
+                self.loss_agg_mode, global_normalizer=normalizer)
+            return vf_loss, {"vf_loss": vf_loss.detach() * scale, "vf_clipfrac": vf_clipfrac}
+        return loss_fn
+
+
+class Reference(Role):
+    def __init__(self, engine: TrainEngine, cfg: DictConfig):
+        super().__init__(engine, cfg.log_prob_micro_batch_size_per_gpu,
+                         cfg.log_prob_max_token_len_per_gpu, cfg.log_prob_use_dynamic_bsz)

@@ -1,0 +1,131 @@
+"""From prompts to a scored Batch: sampling parameters, generation rounds, rewards, DAPO's
+overlong penalty and dynamic sampling, and validation.
+
+Rewards are computed on every rank from the same decoded text (rule rewards are cheap and
+deterministic), so no scores travel between ranks.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybridengine.rl.advantages import dynamic_sampling_keep_mask, overlong_penalty
+from hybridengine.rl.batch import Batch
+from hybridengine.rl.rewards import score_batch
+from hybridengine.rollout.sampling import SamplingParams
+
+
+def stop_token_ids(tokenizer, model_dir) -> tuple[int, ...]:
+    """EOS ids of the tokenizer and of the model's generation_config.json (chat models end turns
+    with a token other than the tokenizer's EOS)."""
+    import json
+    from pathlib import Path
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
+class RolloutCollector:
+    def __init__(self, cfg, tokenizer, generator, reward_fn=None):
+        self.cfg, self.tokenizer, self.generator = cfg, tokenizer, generator
+        self.reward_fn = reward_fn
+        self.stop_ids = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
+        self.max_resp = cfg.data.max_response_length
+
+    def sampling(self, kw, seed: int) -> SamplingParams:
+        greedy = not kw.do_sample or kw.temperature == 0
+        return SamplingParams(n=kw.n, temperature=0.0 if greedy else kw.temperature,
+                              top_p=kw.top_p, top_k=kw.top_k, max_tokens=self.max_resp,
+                              stop_token_ids=self.stop_ids, seed=seed)
+
+    def _generate(self, items: list[dict], params: SamplingParams) -> tuple[Batch, dict]:
+        gen = self.generator.generate([it["prompt_ids"] for it in items], params)
+        n = params.n
+        rep = lambda key: [it[key] for it in items for _ in range(n)]      # noqa: E731
+        batch = Batch([it["prompt_ids"] for it in items for _ in range(n)], gen.response_ids,
+                      [i for i in range(len(items)) for _ in range(n)], rep("data_source"),
+                      rep("ground_truth"), rep("extra_info"), self.max_resp)
+        rollout_lp = torch.zeros(len(batch), self.max_resp)
+        for i, lp in enumerate(gen.logprobs):
+            rollout_lp[i, :len(lp)] = torch.tensor(lp)
+        batch.tensors["rollout_logprob"] = rollout_lp
+        return batch, {"timing_s/gen": gen.seconds,
+                       "perf/gen_tokens_per_s": gen.num_generated_tokens / gen.seconds}
+
+    def _score(self, batch: Batch) -> dict[str, list]:
+        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        scores, extras = score_batch(texts, batch.data_source, batch.ground_truth,
+                                     batch.extra_info, fn=self.reward_fn)
+        scores = torch.tensor(scores, dtype=torch.float32)
+        rm = self.cfg.reward_model
+        if rm.reward_manager == "dapo" and rm.overlong_buffer.enable:
+            lens = [len(r) for r in batch.response_ids]
+            scores = scores + overlong_penalty(lens, self.max_resp, rm.overlong_buffer.len,
+                                               rm.overlong_buffer.penalty_factor).float()
+        tls = torch.zeros(len(batch), self.max_resp)
+        ends = torch.tensor([max(len(r), 1) - 1 for r in batch.response_ids])
+        tls[torch.arange(len(batch)), ends] = scores
+        batch.tensors["token_level_scores"] = tls
+        extras["seq_reward"] = scores.tolist()
+        return extras
+
+    def collect(self, indices: list[int], next_batch, step: int, dataset):
+        """Generate and score train_batch_size prompts' responses. With DAPO's filter_groups,
+        keep generating from the next batches until train_batch_size informative groups are
+        kept (or max_num_gen_batches rounds ran). Returns (Batch | None, metrics)."""
+        rk, fg = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.filter_groups
+        kept, num_groups, rounds, metrics, t_reward = [], 0, 0, {}, 0.0
+        need = self.cfg.data.train_batch_size
+        while indices is not None:
+            rounds += 1
+            params = self.sampling(rk, seed=self.cfg.trainer.seed * 1_000_003 + step * 997 + rounds)
+            batch, metrics = self._generate([dataset[i] for i in indices], params)
+            t0 = time.perf_counter()
+            extras = self._score(batch)
+            t_reward += time.perf_counter() - t0
+            if not fg.enable:
+                kept, num_groups = [batch], need
+                break
+            metric = extras[fg.metric] if fg.metric in extras else extras["seq_reward"]
+            keep = dynamic_sampling_keep_mask(batch.group, metric)
+            idx = keep.nonzero().squeeze(-1).tolist()
+            if idx:
+                part = batch.select(idx)
+                part.group = [g + 1_000_000 * rounds for g in part.group]
+                kept.append(part)
+                num_groups += len(set(part.group))
+            if num_groups >= need or (fg.max_num_gen_batches > 0
+                                      and rounds >= fg.max_num_gen_batches):
+                break
+            indices = next_batch()
+        metrics.update({"timing_s/reward": t_reward, "train/num_gen_batches": rounds})
+        if not kept:
+            return None, metrics
+        batch = Batch.concat(kept)
+        groups = sorted(set(batch.group), key=batch.group.index)[:need]
+        keep = [i for i, g in enumerate(batch.group) if g in set(groups)]
+        batch = batch.select(keep)
+        renumber = {g: i for i, g in enumerate(groups)}
+        batch.group = [renumber[g] for g in batch.group]
+        return batch, metrics
+
+    def validate(self, dataset) -> dict:
+        """Mean reward (and accuracy when the reward reports it) per data source on the whole
+        validation set, with actor_rollout_ref.rollout.val_kwargs."""
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        items = [dataset[i] for i in range(len(dataset))]
+        batch, _ = self._generate(items, self.sampling(vk, seed=self.cfg.trainer.seed))
+        self._score(batch)
+        scores = batch.tensors["token_level_scores"].sum(-1)
+        out = {}
+        for ds in sorted(set(batch.data_source)):
+            sel = torch.tensor([d == ds for d in batch.data_source])
+            out[f"val/test_score/{ds}"] = scores[sel].mean().item()
+        out["val/reward/mean"] = scores.mean().item()
+        out["val/response_length/mean"] = float(
+            sum(len(r) for r in batch.response_ids) / len(batch))
+        return out

@@ -1,0 +1,276 @@
+"""The PPO / GRPO / DAPO trainer loop (SPMD: every rank runs it; ../shared/DESIGN.md "One PPO step").
+
+    1. switch → generation, rollout, switch → training   (rl.generation: HybridEngine + Engine)
+    2. reward: rule / custom function on decoded text (DAPO: overlong penalty, dynamic sampling)
+    3. old log-probs (actor), reference log-probs, values (critic): forward-only, packed
+    4. advantages: GAE or group-relative; KL in the reward (controller) or in the loss
+    5. update: critic then actor, mini-batches × epochs
+    6. metrics with verl's names; validation every test_freq; checkpoint every save_freq
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hybridengine.config import uses_critic, uses_reference, validate_config
+from hybridengine.engine import TrainEngine
+from hybridengine.parallel import checkpoint as ckpt
+from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make_kl_controller
+from hybridengine.rl.batch import Batch
+from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows
+from hybridengine.rl.generation import Generator
+from hybridengine.rl.metrics import batch_metrics, step_flops
+from hybridengine.rl.rewards import load_custom_reward
+from hybridengine.rl.flops import peak_flops
+from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
+from hybridengine.rl.rollout import RolloutCollector
+from hybridengine.rl.tracking import Tracker, timer
+
+
+def _device(cfg) -> torch.device:
+    want = cfg.trainer.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want, torch.cuda.current_device()) if want == "cuda" \
+        else torch.device(want)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    # bf16 only where it is fast and intended: CPU runs (tests, the default job) stay fp32.
+    return torch.float32 if device.type == "cpu" or name == "float32" else torch.bfloat16
+
+
+class Trainer:
+    def __init__(self, cfg, world_size: int = 1, rank: int = 0):
+        self.cfg, self.rank, self.world = cfg, rank, world_size
+        self.layout = validate_config(cfg, world_size)
+        self.device = _device(cfg)
+        torch.manual_seed(cfg.trainer.seed)
+        arr = cfg.actor_rollout_ref
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
+        self._build_data()
+        self.total_steps = cfg.trainer.total_training_steps or len(self.sampler)
+        self._build_roles()
+        self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
+        crf = cfg.custom_reward_function
+        self.reward_fn = load_custom_reward(crf.path, crf.name) if crf.path else None
+        self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn)
+        self.root = Path(cfg.trainer.default_local_dir)
+        self.peak = peak_flops() if self.device.type == "cuda" else None
+
+    # --- setup --------------------------------------------------------------------------------
+    def _build_data(self):
+        d = self.cfg.data
+        kw = dict(tokenizer=self.tokenizer, max_prompt_length=d.max_prompt_length,
+                  truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+                  prompt_key=d.prompt_key)
+        self.train_ds = PromptDataset(load_rows(d.train_files, d.prompt_key), **kw)
+        self.val_ds = PromptDataset(load_rows(d.val_files, d.prompt_key), **kw) \
+            if d.val_files else None
+        self.sampler = ResumableSampler(len(self.train_ds), d.train_batch_size,
+                                        self.cfg.trainer.total_epochs, d.seed, d.shuffle)
+
+    def _mesh(self, role_layout, cache: dict):
+        key = (role_layout.tp, role_layout.pp, role_layout.dp)
+        if key not in cache:
+            cache[key] = build_mesh(Layout(*key), self.cfg.trainer.collective_timeout_s)
+        return cache[key]
+
+    def _build_roles(self):
+        cfg, lay, meshes = self.cfg, self.layout, {}
+        arr = cfg.actor_rollout_ref
+        a_meg = arr.actor.megatron
+        dtype = _dtype(a_meg.param_dtype, self.device)
+        actor_engine = TrainEngine(
+            arr.model.path, self._mesh(lay.actor, meshes), dtype=dtype, device=self.device,
+            sequence_parallel=lay.actor.sequence_parallel,
+            optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps))
+        self.actor = Actor(actor_engine, arr)
+        self.ref = None
+        if uses_reference(cfg):
+            ref_engine = TrainEngine(arr.model.path, self._mesh(lay.ref, meshes), dtype=dtype,
+                                     device=self.device,
+                                     sequence_parallel=lay.ref.sequence_parallel)
+            self.ref = Reference(ref_engine, arr.ref)
+        self.critic = None
+        if uses_critic(cfg):
+            c = cfg.critic
+            critic_engine = TrainEngine(
+                c.model.path, self._mesh(lay.critic, meshes), value_head=True,
+                dtype=_dtype(c.megatron.param_dtype, self.device), device=self.device,
+                sequence_parallel=lay.critic.sequence_parallel,
+                optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps))
+            self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
+        r, h = arr.rollout, cfg.trainer.hybrid_engine
+        self.generator = Generator(actor_engine, r.tensor_model_parallel_size, r,
+                                   h.reshard_mode, h.reshard_bucket_mb,
+                                   _dtype(r.dtype, self.device),
+                                   cfg.data.max_prompt_length + cfg.data.max_response_length)
+
+    # --- one step -----------------------------------------------------------------------------
+    def train_step(self, step: int, indices: list[int], next_batch) -> dict:
+        """One RL step on the prompts `indices` (next_batch() supplies more for DAPO)."""
+        timings = {}
+        sync = self.device.type == "cuda"
+        with timer("step", timings, sync):
+            batch, gen_metrics = self.collector.collect(indices, next_batch, step, self.train_ds)
+            if batch is None:              # DAPO: no informative group within the budget
+                return {**gen_metrics, **self.generator.pop_metrics()}
+            self._score(batch, timings, sync)
+            with timer("adv", timings, sync):
+                kl_metrics = self._advantages(batch)
+            out = {}
+            if self.critic is not None:
+                with timer("update_critic", timings, sync):
+                    out.update(self.critic.update(batch, self._n, step))
+            with timer("update_actor", timings, sync):
+                out.update(self.actor.update(batch, self._n, step))
+            self._finish_schedules()
+        out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics())
+        out.update({f"timing_s/{k}": v for k, v in timings.items()})
+        out.update(batch_metrics(batch, self.critic is not None))
+        out.update(self._perf(batch, timings))
+        return out
+
+    @property
+    def _n(self) -> int:
+        return self.cfg.actor_rollout_ref.rollout.n
+
+    def _score(self, batch: Batch, timings, sync):
+        with timer("old_log_prob", timings, sync):
+            batch.tensors["old_logprob"] = self.actor.score(batch, "logprob")
+        if self.ref is not None:
+            with timer("ref", timings, sync):
+                batch.tensors["ref_logprob"] = self.ref.score(batch, "logprob")
+        if self.critic is not None:
+            with timer("values", timings, sync):
+                batch.tensors["values"] = self.critic.score(batch, "values")
+
+    def _advantages(self, batch: Batch) -> dict:
+        alg, t = self.cfg.algorithm, batch.tensors
+        mask = batch.response_mask
+        metrics = {}
+        if alg.use_kl_in_reward:
+            t["token_level_rewards"], metrics = apply_kl_penalty(
+                t["token_level_scores"], t["old_logprob"], t["ref_logprob"], mask,
+                self.kl_ctrl, alg.kl_penalty)
+        else:
+            t["token_level_rewards"] = t["token_level_scores"]
+        adv, ret = get_adv_estimator(alg.adv_estimator)(
+            t["token_level_rewards"], mask, values=t.get("values"), group_index=batch.group,
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        t["advantages"], t["returns"] = adv, ret
+        return metrics
+
+    def _finish_schedules(self):
+        self.actor.engine.optimizer.step_schedule()
+        if self.critic is not None:
+            self.critic.engine.optimizer.step_schedule()
+
+    def _perf(self, batch: Batch, timings: dict) -> dict:
+        tokens = sum(batch.seqlens)
+        step_s = timings["step"]
+        out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s,
+               "perf/throughput": tokens / step_s / self.world}
+        flops = step_flops(self.actor.engine.cfg, batch.seqlens, self.cfg, self.ref is not None,
+                           self.critic is not None)
+        peak = self.peak or _cpu_peak()
+        out["perf/mfu"] = flops / step_s / (peak * self.world)
+        if self.device.type == "cuda":
+            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+    # --- validation ---------------------------------------------------------------------------
+    def validate(self) -> dict:
+        if self.val_ds is None:
+            return {}
+        return self.collector.validate(self.val_ds)
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        tmp = ckpt.begin_checkpoint(self.root, step)
+        self.actor.engine.save_hf(tmp / "actor")
+        if self.critic is not None:
+            self.critic.engine.save_hf(tmp / "critic")
+        tensors, meta = {}, {"step": step, "sampler": self.sampler.state_dict(),
+                             "kl_ctrl": self.kl_ctrl.state_dict()}
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is not None:
+                t, m = role.engine.optimizer.state_dict()
+                tensors.update({f"{name}/{k}": v for k, v in t.items()})
+                meta[f"{name}_optimizer"] = m
+        ckpt.write_rank_state(tmp, tensors, meta)
+        return ckpt.commit_checkpoint(self.root, step)
+
+    def resume(self) -> int:
+        """Load the latest checkpoint (trainer.resume_mode); returns the step it ends at (0)."""
+        mode = self.cfg.trainer.resume_mode
+        if mode == "disable":
+            return 0
+        path = self.cfg.trainer.resume_from_path if mode == "resume_path" else None
+        if path is None:
+            if ckpt.find_latest(self.root) is None:
+                return 0
+            path = self.root
+        tensors, meta = ckpt.load_checkpoint(path, self.rank)
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is not None:
+                pre = f"{name}/"
+                role.engine.optimizer.load_state_dict(
+                    {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)},
+                    meta[f"{name}_optimizer"])
+        self.sampler.load_state_dict(meta["sampler"])
+        self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
+        return int(meta["step"])
+
+    # --- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t = self.cfg.trainer
+        start = self.resume()
+        tracker = Tracker(t.logger, self.root, t.project_name, t.experiment_name, self.rank,
+                          resume_step=start if start else None, total_steps=self.total_steps)
+        last_val = {}
+        if start == 0 and t.val_before_train:
+            last_val = self.validate()
+            tracker.log(last_val, 0)
+        step = start
+        batches = iter(self.sampler)
+        while step < self.total_steps:
+            indices = next(batches, None)
+            if indices is None:
+                break
+            step += 1
+            metrics = self.train_step(step, indices, lambda: next(batches, None))
+            metrics["training/global_step"] = step
+            is_last = step >= self.total_steps
+            if t.test_freq > 0 and (step % t.test_freq == 0 or is_last) or \
+                    (t.test_freq <= 0 and is_last):
+                last_val = self.validate()
+                metrics.update(last_val)
+            tracker.log(metrics, step)
+            if t.save_freq > 0 and (step % t.save_freq == 0 or is_last) or \
+                    (t.save_freq <= 0 and is_last):
+                self.save(step)
+        tracker.close()
+        if self.rank == 0:
+            print(f"metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}", flush=True)
+        return last_val
+
+
+_CPU_PEAK: list[float] = []
+
+
+def _cpu_peak() -> float:
+    """fp32 matmul rate of this CPU, measured once (the MFU denominator off-GPU)."""
+    if not _CPU_PEAK:
+        a = torch.randn(512, 512)
+        a @ a
+        t0 = time.perf_counter()
+        for _ in range(8):
+            a @ a
+        _CPU_PEAK.append(8 * 2 * 512**3 / (time.perf_counter() - t0))
+    return _CPU_PEAK[0]
