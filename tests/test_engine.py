@@ -13,7 +13,7 @@ from hybridengine.parallel.mesh import Layout, build_mesh
 from model_utils import save_tiny
 
 NUM_SEQS, NUM_MICRO, STEPS = 16, 4, 3
-OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.5, bucket_mb=0.01)
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5, bucket_mb=0.01)
 
 
 def _sequences(step):
@@ -38,7 +38,10 @@ def _microbatches(seqs, dp, dp_rank, tp):
 
 def _train(layout, model_dir, out_dir):
     mesh = build_mesh(layout)
-    engine = TrainEngine(model_dir, mesh, sequence_parallel=True, optim=OPTIM)
+    # float64: the optimizer keeps fp64 masters for fp64 params, so layouts agree to ~1e-13;
+    # in fp32 Adam's g/sqrt(v) turns round-off of near-zero gradients into visible drift.
+    engine = TrainEngine(model_dir, mesh, sequence_parallel=True, optim=OPTIM,
+                         dtype=torch.float64)
     history = []
     for step in range(STEPS):
         seqs = _sequences(step)
@@ -85,10 +88,7 @@ def _compare(tmp, lay, ref_hist, ref_params):
         params.update(load_file(str(f)))
     assert params.keys() == ref_params.keys()
     for k, v in ref_params.items():
-        # Tensor-relative (Frobenius) error: Adam's m/sqrt(v) amplifies fp32 rounding of single
-        # elements whose gradient changes sign across steps (max-element error ~1e-4 of the
-        # update even between dp=1 and dp=2), while every tensor as a whole agrees to ~3e-6.
-        err = ((params[k] - v).norm() / v.norm()).item()
+        err = ((params[k] - v).abs().max() / v.abs().max()).item()
         assert err < 1e-5, (lay, k, err)
 
 
