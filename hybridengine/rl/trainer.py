@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -244,6 +246,8 @@ class Trainer:
             if indices is None:
                 break
             step += 1
+            if os.environ.get("HYBRIDENGINE_KILL_AT_STEP") == str(step) and self.rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)       # fault injection for resume tests
             metrics = self.train_step(step, indices, lambda: next(batches, None))
             metrics["training/global_step"] = step
             is_last = step >= self.total_steps
