@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hybridengine.models.attention import PackedInput
+from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
 from hybridengine.parallel.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
@@ -68,8 +69,12 @@ class TrainEngine:
                  optim: OptimConfig | None = None, temperature: float = 1.0):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
-        self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
-                                  value_head=value_head, dtype=dtype, device=self.device)
+        if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
+            self.model = Decoder(model_dir, mesh.tp_group, sequence_parallel, mesh.pp_rank,
+                                 mesh.pp, value_head, dtype, self.device)
+        else:
+            self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
+                                      value_head=value_head, dtype=dtype, device=self.device)
         self.cfg = self.model.cfg
         self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
         self.embedding_group = self._build_embedding_group()
