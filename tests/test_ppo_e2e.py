@@ -99,8 +99,10 @@ def test_seed_command_ppo_runs_two_steps(gsm8k_setup):
     step = next(r for r in rows if r["step"] == 2)
     expected = step["perf/total_num_tokens"] / step["timing_s/step"] / 1
     assert step["perf/throughput"] == pytest.approx(expected)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
     AutoModelForCausalLM.from_pretrained(str(out / "global_step_2" / "actor"))
+    critic = AutoModelForTokenClassification.from_pretrained(str(out / "global_step_2" / "critic"))
+    assert critic.config.num_labels == 1
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dapo"])
