@@ -55,7 +55,20 @@ def _time(fn, iters: int, device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def bench_ours(cfg, lens, device, dtype, iters, compile_layers):
+def _profile(step, device, top: int = 25) -> None:
+    """One profiled step: the top kernels by device time, to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70),
+          file=sys.stderr)
+
+
+def bench_ours(cfg, lens, device, dtype, iters, compile_layers, profile=False):
     torch.manual_seed(0)
     model = Decoder(cfg, dtype=dtype, device=device)
     if compile_layers:
@@ -74,6 +87,8 @@ def bench_ours(cfg, lens, device, dtype, iters, compile_layers):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sec = _time(step, iters, device)
+    if profile:
+        _profile(step, device)
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     return sec, mem
 
@@ -105,6 +120,7 @@ def main():
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model")
+    ap.add_argument("--profile", action="store_true", help="top kernels of one step to stderr")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -116,7 +132,7 @@ def main():
     flops = decoder_flops(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, lens, backward=True)
     peak = peak_flops() if cuda else None
-    sec, mem = bench_ours(cfg, lens, device, dtype, args.iters, args.compile)
+    sec, mem = bench_ours(cfg, lens, device, dtype, args.iters, args.compile, args.profile)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "model": "tiny" if args.tiny else "qwen2.5-0.5b-shape", "tokens": sum(lens),
            "num_seqs": len(lens), "compile": args.compile, "step_s": sec,
