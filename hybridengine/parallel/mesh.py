@@ -198,6 +198,25 @@ def _my_group(groups: list[list[int]], rank: int, timeout) -> tuple[object, list
     return mine, mine_ranks
 
 
+def _group_timeout(timeout_s: float | None) -> datetime.timedelta | None:
+    """timeout_s, else the default group's timeout (init_distributed's timeout_s).
+
+    torch gives a new group 30 minutes whatever the default group has; inheriting keeps
+    trainer.collective_timeout_s the bound on every collective, so a hung peer surfaces as a
+    timeout in minutes rather than half an hour. (Read through the backend's options: torch has
+    no public getter; None, i.e. torch's default, if that ever moves.)
+    """
+    if timeout_s:
+        return datetime.timedelta(seconds=timeout_s)
+    world = dist.group.WORLD
+    for device in getattr(world, "_device_types", ()):
+        try:
+            return world._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
 def build_mesh(layout: Layout, timeout_s: float | None = None) -> ParallelMesh:
     """Build the process groups of a training layout on the initialised default process group."""
     if not dist.is_initialized():
@@ -205,7 +224,7 @@ def build_mesh(layout: Layout, timeout_s: float | None = None) -> ParallelMesh:
         return ParallelMesh(layout, 0)
     world, rank = dist.get_world_size(), dist.get_rank()
     layout.check_world_size(world)
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    timeout = _group_timeout(timeout_s)
     mesh = ParallelMesh(layout, rank)
     mesh.tp_group, mesh.tp_ranks = _my_group(layout.tp_groups(), rank, timeout)
     mesh.dp_group, mesh.dp_ranks = _my_group(layout.dp_groups(), rank, timeout)
@@ -270,3 +289,61 @@ def init_distributed(timeout_s: float = 1800.0, env: dict | None = None) -> Dist
         rank=de.rank, world_size=de.world_size,
         timeout=datetime.timedelta(seconds=timeout_s))
     return de
+
+
+@dataclass
+class GenMesh:
+    """One process's view of the generation layout (t_g, p_g = 1): its gen-TP and micro-DP groups.
+
+    `micro_dp_ranks` is sorted by global rank because torch.distributed numbers a group's members
+    that way: it is the chunk order of an all-gather in `micro_dp_group`. With pp > 1 this differs
+    from GenLayout's micro_dp_rank (m mod s), which only enumerates the generation replicas.
+    `gen_tp_ranks` is in gen-TP rank order (which is also global-rank order).
+    """
+
+    gen_layout: GenLayout
+    rank: int
+    gen_tp_group: object = None
+    micro_dp_group: object = None
+    gen_tp_ranks: list[int] = field(default_factory=list)
+    micro_dp_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return self.gen_layout.coords(self.rank)
+
+    @property
+    def gen_dp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def gen_tp_rank(self) -> int:
+        return self.coords[1]
+
+    @property
+    def micro_dp_rank(self) -> int:
+        return self.coords[2]
+
+    @property
+    def gen_tp(self) -> int:
+        return self.gen_layout.tp
+
+    @property
+    def gen_dp(self) -> int:
+        return self.gen_layout.dp
+
+
+def build_gen_mesh(layout: Layout, gen_tp: int, timeout_s: float | None = None) -> GenMesh:
+    """Build the generation-layout groups of a training layout (collective on every rank)."""
+    gen = GenLayout(layout, gen_tp)
+    if not dist.is_initialized():
+        layout.check_world_size(1)
+        return GenMesh(gen, 0, gen_tp_ranks=[0], micro_dp_ranks=[0])
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout.check_world_size(world)
+    timeout = _group_timeout(timeout_s)
+    mesh = GenMesh(gen, rank)
+    mesh.gen_tp_group, mesh.gen_tp_ranks = _my_group(gen.gen_tp_groups(), rank, timeout)
+    mesh.micro_dp_group, ranks = _my_group(gen.micro_dp_groups(), rank, timeout)
+    mesh.micro_dp_ranks = sorted(ranks)
+    return mesh

@@ -1,0 +1,272 @@
+"""The 3D-HybridEngine: switch the actor between its training shard and its generation shard.
+
+    engine = HybridEngine(cfg, train_mesh, build_gen_mesh(layout, t_g), bucket_mb=256)
+    gen = engine.to_generation(actor)     # a Decoder: gen-TP group, pp = 1, no sequence parallel
+    ... rollout on `gen` (the caller frees its KV cache) ...
+    engine.to_training()                  # generation-only memory released; `gen` is emptied
+    metrics.update(engine.pop_metrics())  # timing_s/reshard, reshard/bytes_per_rank, ...
+
+to_generation executes this rank's compiled plan (hybrid.plan, hybrid.program): a generation
+weight equal to a training parameter is that parameter (zero-copy: nothing else happens when
+t_g = t and p = 1); the others live in one flat arena, filled by local copies of intervals every
+group member holds and by flat buckets of the rollout dtype, one all-gather per bucket inside
+the micro-DP group (the model-parallel group in naive mode). Two buckets rotate: bucket b+1 is
+packed and its all-gather issued before bucket b is unpacked, so on GPU the copies run under
+the communication, and at most two buckets exist at a time.
+
+The training model is never written: the switch cannot disturb training. The generation Decoder
+is the same object at every switch; its weights are valid until to_training(), which points
+them at empty meta tensors and frees the arena (anything holding device pointers into them,
+e.g. a captured CUDA graph, must be rebuilt after the next to_generation), unless
+keep_weights=True: then the arena and buckets stay allocated and every switch refills them at
+the same addresses.
+
+Optional hooks: `offload()` runs first in to_generation (e.g. move optimizer state and gradients
+to CPU, making room for buckets and KV cache; it must leave the training parameters in place, as
+the gather reads them and a zero-copy generation model uses them); `reload()` runs last in
+to_training.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridengine.hybrid.gen_model import assign_weights, build_gen_decoder, release_weights
+from hybridengine.hybrid.plan import MODES, ReshardPlan, max_received_numel, plan_reshard
+from hybridengine.hybrid.program import ALIGN_BYTES, Copies, Program, compile_program, \
+    new_arena, rect, weight_views
+from hybridengine.hybrid.report import SwitchReport, peak_memory_gb, switch_metrics
+from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.parallel import tensor as ptensor
+from hybridengine.parallel.mesh import GenMesh, ParallelMesh
+
+
+@dataclass
+class _Store:
+    """Memory of the generation side: the arena of generation weights, two rotating gathered
+    buckets, naive mode's second arena, and the copies bound to them (`key`: the training
+    parameters' addresses they were bound with), all for one Program. Dropped by to_training
+    unless kept."""
+
+    program: Program | None = None
+    arena: torch.Tensor | None = None
+    gen_arena: torch.Tensor | None = None
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    key: tuple | None = None
+    bound: tuple | None = None
+
+
+class HybridEngine:
+    """Reshards one actor between its training layout and its generation layout.
+
+    keep_weights=True keeps the generation weights (and two buckets) allocated between switches,
+    M/t_g of memory during training: each switch refills them in place, so their addresses never
+    change (a rollout engine's CUDA graphs stay valid), and the copies stay bound, so a switch
+    costs a few kernel launches per bucket.
+    """
+
+    def __init__(self, cfg: ModelConfig, train_mesh: ParallelMesh, gen_mesh: GenMesh, *,
+                 mode: str = "zero_redundancy", bucket_mb: float = 256.0,
+                 dtype: torch.dtype | None = None, keep_weights: bool = False,
+                 offload: Callable[[], None] | None = None,
+                 reload: Callable[[], None] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"trainer.hybrid_engine.reshard_mode={mode!r} is not one of {MODES}")
+        if not bucket_mb > 0:
+            raise ValueError(f"trainer.hybrid_engine.reshard_bucket_mb={bucket_mb} must be > 0")
+        if gen_mesh.gen_layout.train != train_mesh.layout or gen_mesh.rank != train_mesh.rank:
+            raise ValueError(f"generation mesh of {gen_mesh.gen_layout.train} (rank "
+                             f"{gen_mesh.rank}) does not belong to the training mesh of "
+                             f"{train_mesh.layout} (rank {train_mesh.rank})")
+        self.cfg, self.train_mesh, self.gen_mesh = cfg, train_mesh, gen_mesh
+        self.mode, self.bucket_mb, self.dtype = mode, bucket_mb, dtype
+        self.keep_weights, self.offload, self.reload = keep_weights, offload, reload
+        # Naive mode gathers the full model over the model-parallel group (DS-Chat / verl).
+        self.group = gen_mesh.micro_dp_group if mode == "zero_redundancy" else train_mesh.mp_group
+        self.model: Decoder | None = None
+        self.reports: list[SwitchReport] = []
+        self._plans: dict[torch.dtype, tuple] = {}
+        self._programs: dict[tuple, Program] = {}
+        self._store = _Store()
+        self._active = False
+
+    def plan(self, dtype: torch.dtype) -> tuple[ReshardPlan, int]:
+        """(plan of this rank's group, this rank's member index) for a rollout dtype (cached)."""
+        if dtype not in self._plans:
+            elsize = torch.empty((), dtype=dtype).element_size()
+            kw = dict(mode=self.mode, max_bucket_numel=int(self.bucket_mb * 2**20) // elsize)
+            layout, gm = self.train_mesh.layout, self.gen_mesh
+            plan = plan_reshard(self.cfg, layout, gm.gen_tp, gm.gen_tp_rank, **kw)
+            me = plan.member_index(self.train_mesh.pp_rank, self.train_mesh.tp_rank)
+            busiest = max_received_numel(self.cfg, layout, gm.gen_tp, **kw) * elsize
+            self._plans[dtype] = (plan, me, busiest)
+        return self._plans[dtype][:2]
+
+    def _program(self, params: dict[str, torch.Tensor], dtype: torch.dtype) -> Program:
+        """The plan compiled for these training dtypes (checked against the shard first)."""
+        plan, me = self.plan(dtype)
+        _check_shard(params, plan.members[me].params)
+        key = (dtype, tuple(p.dtype for p in params.values()))
+        if key not in self._programs:
+            align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+            dtypes = {n: p.dtype for n, p in params.items()}
+            self._programs[key] = compile_program(plan, me, dtypes, dtype, align,
+                                                  self._plans[dtype][2])
+        return self._programs[key]
+
+    # --- switches ------------------------------------------------------------------------------
+    def to_generation(self, train_model: Decoder) -> Decoder:
+        """This rank's generation shard (t_g, gen_tp_rank; all layers) as a Decoder."""
+        if self._active:
+            raise RuntimeError("to_generation() called twice without to_training()")
+        params = {n: p for n, p in train_model.named_parameters()
+                  if not n.startswith("value_head.")}
+        first = next(iter(params.values()))
+        device, dtype = first.device, self.dtype or first.dtype
+        prog = self._program(params, dtype)          # checks the shard before anything moves
+        t0, peak0 = _start(device)
+        offload_s = _timed(self.offload)
+        if self.model is None:
+            self.model = build_gen_decoder(self.cfg, self.gen_mesh, prog.plan.gen_params,
+                                           train_model)
+        if self._store.program is not prog:          # a new rollout / training dtype
+            self._store = _Store(prog)
+        stats, store = _Stats(), self._store
+        with torch.no_grad():
+            rebound = _bind(prog, params, store, dtype, device)
+            _run(prog, store, self.group, stats)
+        if rebound:
+            assign_weights(self.model, store.bound[0])
+        self._active = True
+        self._report("to_generation", t0, peak0, device, offload_s, stats, prog.busiest_bytes)
+        return self.model
+
+    def to_training(self) -> SwitchReport:
+        """Release the generation weights (unless keep_weights) and run the reload hook."""
+        if not self._active:
+            raise RuntimeError("to_training() called without a preceding to_generation()")
+        device = next(self.model.parameters()).device
+        t0, peak0 = _start(device)
+        if not self.keep_weights:
+            release_weights(self.model)
+            self._store = _Store()
+        self._active = False
+        offload_s = _timed(self.reload)
+        return self._report("to_training", t0, peak0, device, offload_s, _Stats(), 0)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Metrics of the switches since the last call (timing_s/reshard, reshard/*)."""
+        out, self.reports = switch_metrics(self.reports), []
+        return out
+
+    def _report(self, direction, t0, peak0, device, offload_s, stats, busiest) -> SwitchReport:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rep = SwitchReport(direction, self.mode, time.perf_counter() - t0, stats.bytes,
+                           stats.bytes, busiest, stats.collectives, peak0,
+                           peak_memory_gb(device), offload_s)
+        self.reports.append(rep)
+        return rep
+
+
+class _Stats:
+    def __init__(self):
+        self.bytes, self.collectives = 0, 0
+
+
+def _start(device: torch.device) -> tuple[float, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)      # earlier queued work is not the switch's
+    return time.perf_counter(), peak_memory_gb(device)
+
+
+def _timed(hook) -> float:
+    if hook is None:
+        return 0.0
+    t0 = time.perf_counter()
+    hook()
+    return time.perf_counter() - t0
+
+
+def _check_shard(params: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    got = {n: tuple(p.shape) for n, p in params.items()}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))
+        wrong = sorted(n for n in set(got) & set(expected) if got[n] != expected[n])
+        extra = sorted(set(got) - set(expected))
+        raise ValueError(f"training model does not match its layout's shard: missing {missing[:3]}"
+                         f", extra {extra[:3]}, wrong shapes {wrong[:3]} (to_generation needs the "
+                         f"actor with its language-model head)")
+
+
+def _bind(prog: Program, params: dict, store: _Store, dtype, device) -> bool:
+    """Allocate the store if needed and bind every copy of the switch to tensors. Returns False
+    when the store's bound copies are still valid (same training parameter addresses)."""
+    key = tuple(p.data_ptr() for p in params.values())
+    if store.bound is not None and store.key == key:
+        return False
+    plan, s = prog.plan, prog.plan.num_members
+    if store.arena is None:
+        store.arena = new_arena(prog.arena_numel, plan.target_params, prog.place, dtype, device)
+        # Two rotating buffers: bucket b+1 is gathered while bucket b is unpacked.
+        size = s * max(plan.chunk_numels, default=0)
+        store.buffers = [torch.empty(size, dtype=dtype, device=device)
+                         for _ in range(min(2, len(plan.chunk_numels)))]
+    detached = {n: p.detach() for n, p in params.items()}
+    out = weight_views(prog.place, plan.target_params, store.arena, detached)
+    local = Copies([rect(out[b.dst], b.dst_row, b.dst_col, b.rows, b.cols) for b in prog.local],
+                   [rect(detached[b.src], b.src_row, b.src_col, b.rows, b.cols)
+                    for b in prog.local])
+    packs, unpacks = [], []
+    for b, n in enumerate(plan.chunk_numels):
+        buf = store.buffers[b % 2][:s * n].view(s, n)
+        runs = prog.pack[b]
+        packs.append(Copies([buf[prog.me, o:o + r * c].view(r, c) for *_, r, c, o in runs],
+                            [rect(detached[src], row, col, r, c)
+                             for src, row, col, r, c, _ in runs]))
+        dsts, srcs = [], []
+        for m, k, off, blk in prog.unpack[b]:
+            src = buf[m:m + k, off:off + blk.numel].view(k, blk.rows, blk.cols)
+            dst = rect(out[blk.dst], blk.dst_row, blk.dst_col, blk.rows, k * blk.cols)
+            dsts.append(dst.view(blk.rows, k, blk.cols).permute(1, 0, 2) if k > 1 else dst)
+            srcs.append(src if k > 1 else src[0])
+        unpacks.append(Copies(dsts, srcs))
+    gen, slices = out, None
+    if plan.mode == "naive":
+        if store.gen_arena is None:
+            store.gen_arena = new_arena(prog.gen_arena_numel, plan.gen_params, prog.gen_place,
+                                        dtype, device)
+        gen = weight_views(prog.gen_place, plan.gen_params, store.gen_arena, out)
+        todo = [b for b in plan.slices if prog.gen_place[b.dst][0] == "arena"]
+        slices = Copies([rect(gen[b.dst], b.dst_row, b.dst_col, b.rows, b.cols) for b in todo],
+                        [rect(out[b.src], b.src_row, b.src_col, b.rows, b.cols) for b in todo])
+    store.key, store.bound = key, (gen, local, packs, unpacks, slices)
+    return True
+
+
+def _run(prog: Program, store: _Store, group, stats: _Stats) -> None:
+    """Local copies, then per bucket: pack, all-gather (async), unpack the previous bucket."""
+    plan, s = prog.plan, prog.plan.num_members
+    _, local, packs, unpacks, slices = store.bound
+    local.run()
+    elsize, pending = store.arena.element_size(), None
+    for b, n in enumerate(plan.chunk_numels):
+        packs[b].run()
+        buf = store.buffers[b % 2][:s * n]
+        # In place: this rank's chunk already sits at its slot of the output (NCCL/gloo allow it).
+        work = ptensor.all_gather_flat(buf, buf[prog.me * n:(prog.me + 1) * n], group,
+                                       async_op=True)
+        stats.bytes += (s - 1) * n * elsize
+        stats.collectives += 1
+        if pending is not None:
+            pending[0].wait()    # on GPU: the current stream waits for the gather, not the host
+            pending[1].run()
+        pending = (work, unpacks[b])
+    if pending is not None:
+        pending[0].wait()
+        pending[1].run()
+    if slices is not None:
+        slices.run()
