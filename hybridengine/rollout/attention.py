@@ -1,0 +1,165 @@
+"""Attention over the KV cache: the contexts the decoder calls as `attn_ctx.attend(layer, q, k, v)`.
+
+PrefillContext: packed prompts (varlen). The new K/V are written to the cache rows of every
+sequence that shares the prompt (n samples: one prefill, n rows), and attention runs causally
+over the fresh packed K/V (no cached prefix exists), through the core PackedCausalAttention
+(CUDA: flash varlen; CPU: per-sequence SDPA).
+
+DecodeContext: one new token per row; K/V written at (slot, position), then attention over the
+row's cached prefix, by one of two backends:
+  flash  flash-attention varlen with seqused_k over the flat cache: cu_seqlens_k[i] =
+         slot_i·max_model_len (rows sorted by slot, so increasing), seqused_k = length. It reads
+         only the used tokens; GQA natively. Through torch.nn.attention.varlen.varlen_attn when
+         it takes seqused_k and enable_gqa (torch 2.13), else the aten flash op it wraps, whose
+         schema has had seqused_k longer (torch 2.11); checked once against SDPA on the device
+         before use (a mismatch or an error falls back to sdpa with a warning).
+  sdpa   the rows' cache gathered to [B, h_kv, L, d] and a length mask; q grouped as
+         [B, h_kv, h_q/h_kv, d] so that no K/V head is repeated. The CPU path; a CUDA fallback.
+Shapes are static given (rows, max_k), so a decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from hybridengine.models.attention import PackedCausalAttention, PackedInput
+from hybridengine.rollout.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flash", "sdpa")
+
+
+def _find_flash_decode():
+    """A callable (q, k, v, cu_q, cu_k, seqused_k, max_k) -> out, or None on this torch."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        params = inspect.signature(varlen_attn).parameters
+        if "seqused_k" in params and "enable_gqa" in params:
+            def public(q, k, v, cu_q, cu_k, seqused, max_k):
+                return varlen_attn(q, k, v, cu_q, cu_k, 1, max_k, seqused_k=seqused,
+                                   enable_gqa=True)
+            return public
+    except ImportError:
+        pass
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or "seqused_k" not in [a.name for a in op.default._schema.arguments]:
+        return None
+
+    def aten(q, k, v, cu_q, cu_k, seqused, max_k):
+        # dropout 0, not causal (one query per row sees its whole prefix); GQA is native
+        return op(q, k, v, cu_q, cu_k, 1, max_k, 0.0, False, False, seqused_k=seqused)[0]
+    return aten
+
+
+_FLASH_DECODE = _find_flash_decode()
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    if requested not in BACKENDS:
+        raise ValueError(f"attn_backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+              and _FLASH_DECODE is not None)
+    if requested == "flash" and not usable:
+        raise ValueError(f"attn_backend='flash' needs CUDA, fp16/bf16 and a torch whose flash "
+                         f"varlen kernel takes seqused_k (device={device}, dtype={dtype}, "
+                         f"torch {torch.__version__})")
+    if requested == "sdpa" or not usable:
+        return "sdpa"
+    if requested == "auto" and not _flash_decode_agrees(device, dtype):
+        return "sdpa"
+    return "flash"
+
+
+class DecodeContext:
+    """One query token per row. slots [B] int64 sorted (padding rows: the scratch slot last),
+    positions [B] int64 = where this step's token goes; max_k: keys the sdpa backend reads
+    (max_model_len under a CUDA graph)."""
+
+    def __init__(self, cache: KVCache, layer_start: int, slots: torch.Tensor,
+                 positions: torch.Tensor, backend: str, max_k: int,
+                 cu_q: torch.Tensor | None = None, cu_k_tail: torch.Tensor | None = None):
+        self.cache, self.layer_start, self.backend = cache, layer_start, backend
+        self.slots, self.max_k = slots, max_k
+        L = cache.max_model_len
+        # A finished row still in the batch (one step of lag) may sit at position L: clamp its
+        # harmless write into its own row.
+        self.write_pos = positions.clamp(max=L - 1)                           # [B]
+        seqlens = (positions + 1).clamp(max=L)                                 # [B]
+        if backend == "flash":
+            self.cu_q = cu_q
+            self.cu_k = torch.cat([slots * L, cu_k_tail]).to(torch.int32)     # [B + 1]
+            self.seqused = seqlens.to(torch.int32)
+        else:
+            cols = torch.arange(max_k, device=slots.device)
+            self.mask = (cols < seqlens.unsqueeze(1))[:, None, None, :]      # [B, 1, 1, max_k]
+
+    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
+        """q [B, h_q, d], k/v [B, h_kv, d] -> [B, h_q, d]."""
+        layer = layer_idx - self.layer_start
+        self.cache.write(layer, self.slots, self.write_pos, k, v)
+        if self.backend == "flash":
+            kf, vf = self.cache.flat(layer)
+            return _FLASH_DECODE(q, kf, vf, self.cu_q, self.cu_k, self.seqused,
+                                 self.cache.max_model_len)
+        kc, vc = self.cache.gather_slots(layer, self.slots, self.max_k)     # [B, h_kv, L, d]
+        return grouped_sdpa(q, kc, vc, self.mask)
+
+
+def grouped_sdpa(q, k, v, mask) -> torch.Tensor:
+    """q [B, h_q, d] against k/v [B, h_kv, L, d] under mask [B, 1, 1, L]; query head h uses KV
+    head h // (h_q / h_kv), as Hugging Face's repeat_kv."""
+    B, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(B, hkv, hq // hkv, d)                                  # [B, h_kv, G, d]
+    o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    return o.reshape(B, hq, d)
+
+
+class PrefillContext:
+    """Packed prompts: write K/V of packed token src[i] to cache (dst_slot[i], dst_pos[i])
+    (every row of every sample of the prompt), attend causally within each prompt."""
+
+    def __init__(self, cache: KVCache | None, layer_start: int, packed: PackedInput,
+                 src=None, dst_slot=None, dst_pos=None):
+        self.cache, self.layer_start = cache, layer_start
+        self.src, self.dst_slot, self.dst_pos = src, dst_slot, dst_pos
+        self.inner = PackedCausalAttention(packed)
+
+    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
+        if self.cache is not None:          # None: a memory-profiling run
+            layer = layer_idx - self.layer_start
+            self.cache.write(layer, self.dst_slot, self.dst_pos, k.index_select(0, self.src),
+                             v.index_select(0, self.src))
+        return self.inner.attend(layer_idx, q, k, v)
+
+
+def _flash_decode_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the flash decode path once on a small cache and compare with grouped SDPA: a torch
+    whose kernel rejects the argument pattern (or computes it differently) falls back."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        cache = KVCache(1, 4, 64, 2, 64, dtype, device)
+        for t in cache.k + cache.v:
+            t.copy_(torch.randn(t.shape, generator=g).to(device, dtype))
+        q = torch.randn(3, 8, 64, generator=g).to(device, dtype)
+        k_new = torch.randn(3, 2, 64, generator=g).to(device, dtype)
+        slots = torch.tensor([0, 2, cache.scratch_slot], device=device)
+        pos = torch.tensor([37, 5, 0], device=device)
+        cu_q = torch.arange(4, dtype=torch.int32, device=device)
+        tail = torch.tensor([(cache.num_slots + 1) * 64], device=device)
+        outs = {}
+        for backend in ("flash", "sdpa"):
+            ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail)
+            outs[backend] = ctx.attend(0, q, k_new, k_new).float()
+        err = (outs["flash"] - outs["sdpa"]).abs().max().item()
+        if err < 2e-2:
+            return True
+        logger.warning("flash decode attention differs from SDPA by %.3g; using SDPA", err)
+    except (RuntimeError, TypeError, ValueError) as e:
+        logger.warning("flash decode attention unavailable (%s); using SDPA",
+                       str(e).splitlines()[0])
+    return False

@@ -1,0 +1,222 @@
+"""The built-in rollout engine: generate token ids for prompts with a KV cache, continuous
+batching, batched sampling, per-token log-probs and, on CUDA, graph-captured decode steps.
+
+The engine knows nothing about text: prompts are token-id lists; results are token ids, the
+log-prob of each sampled token under the model's unmodified distribution at temperature 1
+(`logprobs`, what the trainer recomputes) and under the processed sampling distribution
+(`sampled_logprobs`; 0 for greedy), and a finish reason: 'stop' (a stop token, included in
+token_ids) or 'length' (max_tokens, or the cache row of max_model_len tokens is full).
+
+It runs on one generation-TP shard of the decoder (model.tp_group is the gen-TP group; build it
+with sequence_parallel=False, one pipeline stage): every rank of the group calls generate with
+the same prompts and parameters and gets the same tokens (see rollout.sampling). Roles, as in
+nano-vllm: Scheduler (which sequences step next, pure Python), SlotAllocator / KVCache (cache
+rows), ModelRunner (the only one touching device tensors and CUDA graphs).
+
+Graphs and cache read parameters by address: update weights in place (copy_), or call
+free_cache() after replacing parameter tensors; the engine also drops its graphs when it sees
+new parameter addresses. free_cache() releases the KV cache between phases; the next generate
+allocates it again.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridengine.parallel.tensor import all_reduce
+from hybridengine.rollout.kv_cache import SlotAllocator
+from hybridengine.rollout.model_runner import ModelRunner, Pending
+from hybridengine.rollout.sampling import SamplingParams, sequence_key
+from hybridengine.rollout.scheduler import Scheduler, Sequence
+
+
+@dataclass
+class GenerationResult:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_logprobs: list[float]
+    finish_reason: str          # 'stop' | 'length'
+
+
+class Engine:
+    """Engine(model, max_num_seqs, max_model_len, ...).generate(prompts, params) -> results
+    ordered prompt-major (prompt i, sample j at i·n + j).
+
+    KV budget: kv_cache_tokens (a token count), else on CUDA gpu_memory_utilization (share of
+    device memory for everything this process holds while generating), else max_num_seqs rows.
+    enforce_eager=False captures decode graphs on CUDA. attn_backend: auto | flash | sdpa.
+    compile=True runs the decode step through torch.compile (inductor) before capture.
+    """
+
+    def __init__(self, model, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_prefill_tokens: int = 16384, enforce_eager: bool = False,
+                 attn_backend: str = "auto", compile: bool | str = False, device=None,
+                 dtype: torch.dtype | None = None):
+        max_model_len = max_model_len or model.cfg.max_position_embeddings
+        _check_model(model, device, dtype)
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len} must be >= 2")
+        if max_prefill_tokens < max_model_len:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be >= "
+                             f"max_model_len={max_model_len} (a prompt is prefilled in one step)")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+        self.model, self.max_model_len = model, max_model_len
+        self.runner = ModelRunner(model, max_num_seqs, max_model_len, max_prefill_tokens,
+                                  kv_cache_tokens, gpu_memory_utilization, enforce_eager,
+                                  attn_backend, compile)
+        self.max_prefill_tokens = max_prefill_tokens
+        # Steps whose finished flags are read only after the next step is queued: 1 on CUDA
+        # (the host never waits for the step it just launched); tests set 1 on CPU too.
+        self.steps_in_flight = 1 if self.runner.device.type == "cuda" else 0
+        self.stats: dict = {}
+
+    def free_cache(self) -> None:
+        """Release the KV cache, the decode graphs and the per-slot state."""
+        self.runner.free()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        self._check_prompts(prompts)
+        if not prompts:
+            return []
+        seed = params.seed if params.seed is not None else self._shared_seed()
+        seqs = [Sequence(i * params.n + j, i, [int(t) for t in p],
+                         min(params.max_tokens, self.max_model_len - len(p)),
+                         sequence_key(seed, i * params.n + j))
+                for i, p in enumerate(prompts) for j in range(params.n)]
+        runner = self.runner
+        runner.allocate()
+        runner.begin(params, len(seqs), max(s.max_gen for s in seqs))
+        sched = Scheduler(SlotAllocator(runner.num_slots), self.max_prefill_tokens)
+        for s in seqs:
+            sched.add(s)
+        timer = _StepTimer(runner.device)
+        self._run(sched, timer)
+        out = self._results(seqs, params)
+        self.stats = dict(timer.totals(), num_seqs=len(seqs), num_slots=runner.num_slots,
+                          num_generated_tokens=sum(len(r.token_ids) for r in out),
+                          attn_backend=runner.backend, cuda_graphs=runner.use_graphs)
+        return out
+
+    def _run(self, sched: Scheduler, timer: "_StepTimer") -> None:
+        """Prefill whenever a waiting sequence fits, else decode every running one; retire
+        finished sequences `steps_in_flight` steps late."""
+        pending: deque[Pending] = deque()
+        while sched.has_unfinished:
+            batch = sched.schedule_prefill()
+            if batch:
+                with timer("prefill"):
+                    pending.append(self.runner.prefill(batch))
+            else:
+                rows = sched.decode_rows()
+                max_k = min(self.max_model_len, max(s.num_cached for s in rows) + 1)
+                with timer("decode"):
+                    pending.append(self.runner.decode([s.slot for s in rows], max_k))
+                for s in rows:
+                    s.num_cached += 1
+            while len(pending) > self.steps_in_flight:
+                self._retire(pending.popleft(), sched)
+        while pending:
+            self._retire(pending.popleft(), sched)
+
+    def _retire(self, pending: Pending, sched: Scheduler) -> None:
+        slots = pending.finished_slots()
+        if slots:
+            done = [sched.finish(s) for s in slots]
+            self.runner.collect(slots, [s.seq_id for s in done])
+
+    def _results(self, seqs: list[Sequence], params: SamplingParams) -> list[GenerationResult]:
+        tok, lp, slp, lens = self.runner.results()
+        stop = set(params.stop_ids())
+        out = []
+        for s in seqs:
+            n = int(lens[s.seq_id])
+            ids = tok[s.seq_id, :n].tolist()
+            reason = "stop" if ids and ids[-1] in stop else "length"
+            out.append(GenerationResult(s.prompt_index, s.seq_id - s.prompt_index * params.n, ids,
+                                        lp[s.seq_id, :n].tolist(), slp[s.seq_id, :n].tolist(),
+                                        reason))
+        return out
+
+    def _check_prompts(self, prompts) -> None:
+        vocab = self.model.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len="
+                                 f"{self.max_model_len} leaves no room for a response")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the "
+                                 f"vocabulary [0, {vocab})")
+
+    def _shared_seed(self) -> int:
+        """A fresh random seed, the same on every rank of the generation-TP group."""
+        seed = torch.tensor([int.from_bytes(os.urandom(7), "little")], device=self.runner.device)
+        return int(all_reduce(seed, self.model.tp_group, dist.ReduceOp.MAX).item())
+
+
+def _check_model(model, device, dtype) -> None:
+    if getattr(model, "sp", False):
+        raise ValueError("the generation model must be built with sequence_parallel=False")
+    if model.pp_size != 1:
+        raise ValueError(f"the rollout engine runs one pipeline stage; got pp_size={model.pp_size}")
+    param = next(model.parameters())
+    dev = torch.device(device) if device is not None else param.device
+    if dev.type != param.device.type or (dev.index is not None and dev != param.device):
+        raise ValueError(f"device={device} but the model's parameters are on {param.device}")
+    if dtype is not None and dtype != param.dtype:
+        raise ValueError(f"dtype={dtype} but the model's parameters are {param.dtype}")
+
+
+class _StepTimer:
+    """Time spent per phase: CUDA events around each step (summed after the final sync), or
+    wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[str, object, object]] = []
+        self.t0 = time.perf_counter()
+
+    def __call__(self, phase: str):
+        return _Span(self, phase)
+
+    def totals(self) -> dict:
+        out = {"prefill_s": 0.0, "decode_s": 0.0, "num_prefill_steps": 0, "num_decode_steps": 0}
+        if self.cuda:
+            torch.cuda.synchronize()
+        for phase, a, b in self.spans:
+            out[f"{phase}_s"] += a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[f"num_{phase}_steps"] += 1
+        out["total_s"] = time.perf_counter() - self.t0
+        return out
+
+
+class _Span:
+    def __init__(self, timer: _StepTimer, phase: str):
+        self.timer, self.phase = timer, phase
+
+    def _mark(self):
+        if self.timer.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def __enter__(self):
+        self.start = self._mark()
+
+    def __exit__(self, *exc):
+        self.timer.spans.append((self.phase, self.start, self._mark()))

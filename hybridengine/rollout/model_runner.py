@@ -1,0 +1,355 @@
+"""The model runner: the only rollout code that touches device tensors and CUDA graphs.
+
+Per-slot state lives on the device (index = cache slot; the last one is scratch):
+
+    tokens, positions   the last sampled token and its position (the next decode's input)
+    counts, max_gen     tokens generated so far / allowed
+    keys, active        random key of the occupant; still generating
+    out_tok/lp/slp      [slots + 1, max_model_len + 1] the occupant's outputs so far
+
+A decode step reads its rows' state, runs the decoder over the cache, samples, and writes the
+state back (`_commit`), all on the device: under a CUDA graph the host launches one replay and
+uploads the row->slot list only when it changed. The host learns which rows finished from a
+[B] bool copied into pinned memory and read one step later (`Pending`), so it never waits for
+the step it just launched; a finished row stays in the next step, inactive (nothing it
+computes is kept). When the host frees a finished slot, `collect` copies the slot's outputs
+to the result buffers (in stream order, before any prefill reuses the slot); `results` moves
+them to the host once per generate call.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridengine.models.attention import PackedInput
+from hybridengine.parallel.tensor import all_gather_dim0, group_size
+from hybridengine.rollout.attention import DecodeContext, PrefillContext, resolve_backend
+from hybridengine.rollout.kv_cache import KVCache, kv_bytes_per_token, plan_num_slots
+from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample, uniforms
+from hybridengine.rollout.scheduler import Sequence
+
+
+def graph_buckets(max_rows: int) -> list[int]:
+    """Decode batch sizes with a captured graph: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... (powers
+    of two and their midpoints: at most 1/3 padding rows), and max_rows. Few buckets: each is
+    captured again after free_cache()."""
+    sizes, b = [1, 2, 4], 4
+    while b < max_rows:
+        sizes += [b + b // 2, 2 * b] if b >= 16 else [2 * b]
+        b *= 2
+    return sorted({s for s in sizes if s < max_rows} | {max_rows})
+
+
+class Pending:
+    """The finished flags of one step, readable without stalling the device queue."""
+
+    def __init__(self, slots: list[int], fin: torch.Tensor):
+        self.slots = slots
+        self.event = None
+        if fin.is_cuda:
+            self.host = torch.empty(fin.shape, dtype=torch.bool, pin_memory=True)
+            self.host.copy_(fin, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = fin.clone()
+
+    def finished_slots(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [s for s, f in zip(self.slots, self.host.tolist()) if f]
+
+
+class ModelRunner:
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, max_prefill_tokens: int,
+                 kv_cache_tokens: int | None, gpu_memory_utilization: float | None,
+                 enforce_eager: bool, attn_backend: str, compile: bool | str = False):
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.vocab_size = model.cfg.vocab_size
+        self.tp_group, self.tp = model.tp_group, group_size(model.tp_group)
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.kv_cache_tokens, self.gpu_memory_utilization = kv_cache_tokens, gpu_memory_utilization
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        # graph-shaped decode (bucket padding with scratch rows, all max_model_len keys);
+        # tests set it on the CPU to run that path without capture
+        self.static_shapes = self.use_graphs
+        # Optionally fuse the decode step's small ops (norms, RoPE, SwiGLU, sampling) with
+        # torch.compile; the batch dimension is marked dynamic, so one compile serves every
+        # graph bucket. A string names the compile backend (tests use "aot_eager").
+        self._decode_body, self.compiled = self._decode_forward, bool(compile)
+        if compile:
+            backend = compile if isinstance(compile, str) else "inductor"
+            self._decode_body = torch.compile(self._decode_forward, backend=backend)
+        self.backend = resolve_backend(attn_backend, self.device, self.dtype)
+        self.cache: KVCache | None = None
+        # sampler parameters: device tensors, so that one graph serves every value
+        self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
+        self.top_p = torch.ones(1, dtype=torch.float32, device=self.device)
+        self.stop_ids = torch.full((MAX_STOP_TOKENS,), -1, dtype=torch.long, device=self.device)
+
+    # --- allocation --------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    def allocate(self) -> None:
+        """Allocate the cache and the per-slot state (when not allocated); drop the graphs
+        when the parameters moved (they were captured with the old addresses)."""
+        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        if self.cache is not None:
+            if ptrs != self._param_ptrs:
+                self.graphs.clear()
+            self._param_ptrs = ptrs
+            return
+        self._param_ptrs = ptrs
+        attn = self.model.layers[0].self_attn
+        num_layers = len(self.model.layers)
+        bpt = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
+        budget = None
+        if self.kv_cache_tokens is None and self.device.type == "cuda":
+            budget = self._free_bytes_for_cache()
+        S = plan_num_slots(self.max_num_seqs, self.max_model_len, bpt, self.kv_cache_tokens,
+                           budget)
+        L, dev = self.max_model_len, self.device
+        self.cache = KVCache(num_layers, S, L, attn.num_kv_heads, attn.head_dim, self.dtype, dev)
+        long = dict(dtype=torch.long, device=dev)
+        for name in ("tokens", "positions", "counts", "max_gen", "keys"):
+            setattr(self, name, torch.zeros(S + 1, **long))
+        self.active = torch.zeros(S + 1, dtype=torch.bool, device=dev)
+        self.out_tok = torch.zeros(S + 1, L + 1, **long)
+        self.out_lp = torch.zeros(S + 1, L + 1, dtype=torch.float32, device=dev)
+        self.out_slp = torch.zeros_like(self.out_lp)
+        # static decode inputs and outputs (CUDA graphs read / write these addresses)
+        self.row_slots = torch.full((S,), S, **long)
+        self.step_fin = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.cu_k_tail = torch.tensor([(S + 1) * L], **long)
+        self.buckets = graph_buckets(S)
+        if self.compiled and S > 1:       # torch.compile specialises size 1: pad it to 2
+            self.buckets = self.buckets[1:]
+        self.graphs: dict = {}
+        self._graph_pool = None
+        self._uploaded_rows: list[int] | None = None
+
+    def free(self) -> None:
+        """Release the cache, the state and the graphs (they point into the cache)."""
+        if self.cache is None:
+            return
+        self.cache = self.graphs = self._graph_pool = None
+        for name in ("tokens", "positions", "counts", "max_gen", "keys", "active", "out_tok",
+                     "out_lp", "out_slp", "row_slots", "step_fin", "res_tok", "res_lp",
+                     "res_slp", "res_len"):
+            self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _free_bytes_for_cache(self) -> int:
+        """gpu_memory_utilization · device memory, minus what is allocated now and the peak of a
+        full prefill step plus sampling max_num_seqs rows (measured)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.no_grad():
+            T, L = self.max_prefill_tokens, self.max_model_len
+            lens = [L] * (T // L) + ([T % L] if T % L else [])
+            ids = torch.zeros(T, dtype=torch.long, device=self.device)
+            packed = PackedInput.from_lengths(ids, lens)
+            h = self.model(packed, attn_ctx=PrefillContext(None, 0, packed))
+            rows = h[:1].expand(self.max_num_seqs, -1)
+            worst = SamplingParams(temperature=0.5, top_p=0.5).mode(self.vocab_size)
+            u = torch.full((self.max_num_seqs,), 0.5, device=self.device)
+            sample(self._logits(rows), worst, self.temperature, self.top_p, u)
+            del h, rows
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        # 5% of the device for the graphs' pool, the allocator's fragmentation and NCCL
+        return int(self.gpu_memory_utilization * total - base - peak - 0.05 * total)
+
+    # --- per generate call ------------------------------------------------------------------
+    def begin(self, params: SamplingParams, num_seqs: int, max_gen: int) -> None:
+        """Set the sampler's device parameters and size the result buffers."""
+        self.mode = params.mode(self.vocab_size)
+        self.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
+        self.top_p.fill_(params.top_p)
+        stop = list(params.stop_ids()) + [-1] * (MAX_STOP_TOKENS - len(params.stop_ids()))
+        self.stop_ids.copy_(torch.tensor(stop))
+        self.active.zero_()
+        self.res_width = max_gen
+        dev = self.device
+        self.res_tok = torch.zeros(num_seqs, max_gen, dtype=torch.long, device=dev)
+        self.res_lp = torch.zeros(num_seqs, max_gen, dtype=torch.float32, device=dev)
+        self.res_slp = torch.zeros_like(self.res_lp)
+        self.res_len = torch.zeros(num_seqs, dtype=torch.long, device=dev)
+
+    def results(self):
+        """(tokens, logprobs, sampled_logprobs [N, max_gen], lengths [N]) on the host."""
+        return tuple(t.cpu() for t in (self.res_tok, self.res_lp, self.res_slp, self.res_len))
+
+    def collect(self, slots: list[int], seq_ids: list[int]) -> None:
+        """Copy finished slots' outputs to their result rows (before the slots are reused)."""
+        s, r = self._h2d(slots), self._h2d(seq_ids)
+        W = self.res_width
+        self.res_tok.index_copy_(0, r, self.out_tok.index_select(0, s)[:, :W])
+        self.res_lp.index_copy_(0, r, self.out_lp.index_select(0, s)[:, :W])
+        self.res_slp.index_copy_(0, r, self.out_slp.index_select(0, s)[:, :W])
+        self.res_len.index_copy_(0, r, self.counts.index_select(0, s))
+
+    def _h2d(self, values: list[int]) -> torch.Tensor:
+        """A small host list on the device without synchronising (pinned, non-blocking: the
+        pinned allocator keeps the buffer until the copy has run)."""
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # --- steps ------------------------------------------------------------------------------
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, H] -> full-vocabulary logits [B, V] (gathered over the generation-TP group)."""
+        local = self.model.logits_local(h)                                    # [B, Vp/tp]
+        if self.tp > 1:
+            B, v_local = local.shape
+            full = all_gather_dim0(local.contiguous(), self.tp_group)          # [tp·B, Vp/tp]
+            local = full.view(self.tp, B, v_local).permute(1, 0, 2).reshape(B, -1)
+        return local[:, : self.vocab_size]
+
+    def _commit(self, slots, tok, logprob, sampled) -> torch.Tensor:
+        """Record one sampled token per row [B] and return the rows that finished [B] bool.
+        Inactive rows (padding, or finished one step ago) change nothing that is kept: their
+        outputs land past their length, their counters do not move."""
+        # (index_put_ on whole state tensors: in place under torch.compile too; duplicate
+        # indices occur only for the scratch slot)
+        act = self.active[slots]
+        cnt, pos = self.counts[slots], self.positions[slots]
+        col = cnt.clamp(max=self.out_tok.shape[1] - 1)
+        self.out_tok[slots, col] = tok
+        self.out_lp[slots, col] = logprob
+        self.out_slp[slots, col] = sampled
+        stop = (tok.unsqueeze(1) == self.stop_ids).any(-1)
+        fin = act & (stop | (cnt + 1 >= self.max_gen[slots]))
+        inc = act.long()
+        self.counts[slots] = cnt + inc
+        self.positions[slots] = pos + inc
+        self.tokens[slots] = torch.where(act, tok, self.tokens[slots])
+        self.active[slots] = act & ~fin
+        return fin
+
+    def _sample_and_commit(self, slots, positions, h) -> torch.Tensor:
+        logits = self._logits(h)
+        u = uniforms(self.keys[slots], positions + 1)
+        tok, lp, slp = sample(logits, self.mode, self.temperature, self.top_p, u)
+        return self._commit(slots, tok, lp, slp)
+
+    def prefill(self, seqs: list[Sequence]) -> Pending:
+        """Prefill each distinct prompt once, write its K/V into every sample's row, sample
+        each sequence's first token."""
+        plan = _prefill_plan(seqs)
+        packed = PackedInput(self._h2d(plan["ids"]), self._h2d(plan["positions"]),
+                             self._h2d(plan["cu"]).to(torch.int32), plan["max_len"])
+        ctx = PrefillContext(self.cache, self.model.layer_start, packed, self._h2d(plan["src"]),
+                             self._h2d(plan["dst_slot"]), self._h2d(plan["dst_pos"]))
+        slots = self._h2d([s.slot for s in seqs])
+        # the last prompt token is the "current" one: the commit moves each row to the first
+        # generated token's position, len(prompt)
+        self.positions[slots] = self._h2d([len(s.prompt) - 1 for s in seqs])
+        self.counts[slots] = 0
+        self.keys[slots] = self._h2d([s.key for s in seqs])
+        self.max_gen[slots] = self._h2d([s.max_gen for s in seqs])
+        self.active[slots] = True
+        with torch.no_grad():
+            h = self.model(packed, attn_ctx=ctx)                               # [T, H]
+            h = h.index_select(0, self._h2d(plan["last"]))                     # [prompts, H]
+            h = h.index_select(0, self._h2d(plan["row_prompt"]))               # [seqs, H]
+            fin = self._sample_and_commit(slots, self.positions[slots], h)
+        return Pending([s.slot for s in seqs], fin)
+
+    def decode(self, slots: list[int], max_k: int) -> Pending:
+        """One token for each running slot (sorted). max_k bounds the keys read (eager only)."""
+        B = len(slots)
+        with torch.no_grad():
+            if self.static_shapes:
+                bucket = next(b for b in self.buckets if b >= B)
+                graph = self._graph(bucket) if self.use_graphs else None
+                rows = slots + [self.cache.scratch_slot] * (bucket - B)
+                if rows != self._uploaded_rows:
+                    self.row_slots[:bucket].copy_(self._h2d(rows), non_blocking=True)
+                    self._uploaded_rows = rows
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._decode_step(bucket, self.max_model_len)
+            else:
+                self.row_slots[:B].copy_(self._h2d(slots))
+                self._decode_step(B, max_k)
+        return Pending(slots, self.step_fin[:B])
+
+    def _decode_step(self, B: int, max_k: int) -> None:
+        slots = self.row_slots[:B]
+        if self.compiled and B > 1:
+            torch._dynamo.mark_dynamic(slots, 0)
+        self.step_fin[:B] = self._decode_body(slots, max_k)
+
+    def _decode_forward(self, slots: torch.Tensor, max_k: int):
+        """slots [B] -> finished [B]: forward of the rows' last tokens, sample, commit."""
+        tok, pos = self.tokens[slots], self.positions[slots]
+        cu_q = torch.arange(slots.shape[0] + 1, dtype=torch.int32, device=slots.device)
+        ctx = DecodeContext(self.cache, self.model.layer_start, slots, pos, self.backend, max_k,
+                            cu_q, self.cu_k_tail)
+        h = self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
+        return self._sample_and_commit(slots, pos, h)
+
+    def _graph(self, bucket: int):
+        """The decode graph of (sampler mode, bucket), captured on first use. Its warm-up and
+        capture run on scratch rows only, so they can happen in the middle of a generation."""
+        key = (self.mode, bucket)
+        if key in self.graphs:
+            return self.graphs[key]
+        self.row_slots[:bucket].fill_(self.cache.scratch_slot)
+        self._uploaded_rows = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):       # warm-up: cuBLAS / NCCL / allocator state
+            self._decode_step(bucket, self.max_model_len)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # torch.cuda.graph() without its gc.collect() and empty_cache(): captures happen again
+        # after each free_cache(), inside a trainer with a large Python heap
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._graph_pool)
+            try:
+                self._decode_step(bucket, self.max_model_len)
+            finally:
+                graph.capture_end()
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        self.graphs[key] = graph
+        return graph
+
+
+def _prefill_plan(seqs: list[Sequence]) -> dict:
+    """Host-side index lists of a prefill: the packed distinct prompts (ids, positions, cu,
+    max_len), for every sequence's cache row the packed token each position copies
+    (src -> (dst_slot, dst_pos)), the last token of each prompt, and each sequence's prompt."""
+    groups: dict[int, list[Sequence]] = {}
+    for s in seqs:
+        groups.setdefault(s.prompt_index, []).append(s)
+    plan = {k: [] for k in ("ids", "positions", "src", "dst_slot", "dst_pos", "last",
+                            "row_prompt")}
+    plan["cu"] = [0]
+    row_prompt = {}
+    for g, members in enumerate(groups.values()):
+        prompt, start = members[0].prompt, len(plan["ids"])
+        plan["ids"] += prompt
+        plan["positions"] += range(len(prompt))
+        plan["cu"].append(len(plan["ids"]))
+        plan["last"].append(len(plan["ids"]) - 1)
+        for s in members:
+            plan["src"] += range(start, start + len(prompt))
+            plan["dst_slot"] += [s.slot] * len(prompt)
+            plan["dst_pos"] += range(len(prompt))
+            row_prompt[s.seq_id] = g
+    plan["row_prompt"] = [row_prompt[s.seq_id] for s in seqs]
+    plan["max_len"] = max(len(m[0].prompt) for m in groups.values())
+    return plan

@@ -1,0 +1,93 @@
+"""The rollout engine's CUDA paths (skipped without CUDA): decode graphs with continuous
+batching and one step in flight against HF greedy, the flash decode kernel against SDPA and the
+training forward in bf16, the gpu_memory_utilization budget, and the compiled decode step."""
+import pytest
+import torch
+
+from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.models.hf import load_decoder
+from hybridengine.rollout import attention
+from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.sampling import SamplingParams
+from model_utils import STORIES
+from test_rollout import _hf_greedy, _pick_stop, _prompts
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+SMALL = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4,
+                    num_heads=8, num_kv_heads=2, head_dim=64, attention_bias=True,
+                    tie_word_embeddings=True, max_position_embeddings=256, model_type="qwen2")
+
+
+def _greedy(model, prompts, stop, **kw):
+    engine = Engine(model, max_num_seqs=kw.pop("max_num_seqs", 4), max_model_len=64,
+                    max_prefill_tokens=128, kv_cache_tokens=kw.pop("kv_cache_tokens", 5 * 64),
+                    **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=tuple(stop))
+    return engine.generate(prompts, params), engine
+
+
+def test_graphs_continuous_batching_match_hf_fp32():
+    from transformers import AutoModelForCausalLM
+    model = load_decoder(STORIES, device=CUDA)
+    prompts = _prompts([3, 12, 5, 1, 9, 7, 2, 15, 4, 6], 512, seed=9)
+    free, _ = _greedy(model, prompts, (), max_num_seqs=16, kv_cache_tokens=17 * 64)
+    stop = _pick_stop([r.token_ids for r in free])
+    refs = _hf_greedy(AutoModelForCausalLM.from_pretrained(STORIES).eval(), prompts, stop)
+    for eager in (False, True):
+        results, engine = _greedy(model, prompts, [stop], enforce_eager=eager)
+        assert engine.stats["cuda_graphs"] is not eager
+        assert [r.token_ids for r in results] == refs, f"enforce_eager={eager}"
+        assert {r.finish_reason for r in results} == {"stop", "length"}
+
+
+def _small_bf16():
+    torch.manual_seed(0)
+    return Decoder(SMALL, dtype=torch.bfloat16, device=CUDA)
+
+
+def test_flash_decode_bf16_logprobs_match_training_forward():
+    if attention._FLASH_DECODE is None:
+        pytest.skip("this torch's flash varlen kernel has no seqused_k")
+    model = _small_bf16()
+    prompts = _prompts([30, 7, 64, 1, 45], SMALL.vocab_size, seed=2)
+    params = SamplingParams(n=3, max_tokens=40, seed=5)
+    by_backend = {}
+    for backend in ("flash", "sdpa"):
+        engine = Engine(model, max_num_seqs=8, max_model_len=128, kv_cache_tokens=9 * 128,
+                        attn_backend=backend)
+        assert engine.runner.backend == backend
+        by_backend[backend] = engine.generate(prompts, params)
+    from hybridengine.models.attention import PackedInput
+    for backend, results in by_backend.items():
+        seqs = [prompts[r.prompt_index] + r.token_ids for r in results]
+        with torch.no_grad():
+            packed = PackedInput.from_lengths(torch.tensor(sum(seqs, []), device=CUDA),
+                                              [len(s) for s in seqs])
+            logp, _ = model.logprob_entropy(model(packed), torch.roll(packed.input_ids, -1))
+        start, worst = 0, 0.0
+        for r, s in zip(results, seqs):
+            ref = logp[start + len(s) - len(r.token_ids) - 1: start + len(s) - 1].float().cpu()
+            worst = max(worst, (torch.tensor(r.logprobs) - ref).abs().max().item())
+            start += len(s)
+        assert worst < 0.05, (backend, worst)          # bf16 forward vs bf16 forward
+
+
+def test_gpu_memory_utilization_budget():
+    model = _small_bf16()
+    engine = Engine(model, max_num_seqs=64, max_model_len=128, gpu_memory_utilization=0.3)
+    results = engine.generate(_prompts([5, 9], SMALL.vocab_size), SamplingParams(max_tokens=4))
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    assert 1 <= engine.runner.num_slots <= 64
+    assert engine.runner.cache.num_bytes < 0.3 * total
+    assert all(len(r.token_ids) == 4 for r in results)
+    engine.free_cache()
+    assert engine.runner.cache is None
+
+
+def test_compiled_decode_matches_eager_fp32():
+    model = load_decoder(STORIES, device=CUDA)
+    prompts = _prompts([3, 12, 5, 9], 512, seed=4)
+    plain, _ = _greedy(model, prompts, ())
+    compiled, _ = _greedy(model, prompts, (), compile=True)
+    assert [r.token_ids for r in compiled] == [r.token_ids for r in plain]

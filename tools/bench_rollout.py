@@ -1,0 +1,205 @@
+"""Rollout throughput of the built-in engine, next to Hugging Face `generate` in the same run.
+
+Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 / 2 KV heads, head 64, ffn 4864, vocab 151936,
+tied, qkv bias) with random bf16 weights built directly as a Decoder (no files); `batch` prompts
+of `prompt_len` random tokens, `new_tokens` generated per prompt ignoring EOS (sampling at
+temperature 1). Reports generated tokens/s and (prompt + response) tokens/s, the engine's
+prefill / decode split, and a check of its log-probs against the training forward. JSON to
+stdout, progress to stderr.
+
+    python tools/bench_rollout.py [--batch 256] [--prompt-len 512] [--new-tokens 256] [--hf]
+                                  [--variants sdpa,eager,compile]
+    python tools/bench_rollout.py --tiny [--hf]          # CPU smoke run on a tiny model
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hybridengine.models.attention import PackedInput  # noqa: E402
+from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
+from hybridengine.rollout.engine import Engine  # noqa: E402
+from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
+
+QWEN2_5_0_5B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                           num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                           rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                           attention_bias=True, max_position_embeddings=32768,
+                           model_type="qwen2")
+TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+                   attention_bias=True, max_position_embeddings=1024, model_type="qwen2")
+
+
+def log(msg: str) -> None:
+    print(f"[bench_rollout] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def logprob_check(model, prompts, results, num: int = 4) -> float:
+    """Max |engine logprob - training-forward logprob| over the first `num` sequences."""
+    seqs = [prompts[r.prompt_index] + r.token_ids for r in results[:num]]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        packed = PackedInput.from_lengths(torch.tensor(sum(seqs, []), device=device),
+                                          [len(s) for s in seqs])
+        logp, _ = model.logprob_entropy(model(packed), torch.roll(packed.input_ids, -1))
+    worst, start = 0.0, 0
+    for r, s in zip(results, seqs):
+        ref = logp[start + len(s) - len(r.token_ids) - 1: start + len(s) - 1].float().cpu()
+        worst = max(worst, (torch.tensor(r.logprobs) - ref).abs().max().item())
+        start += len(s)
+    return worst
+
+
+def bench_engine(model, prompts, args, device) -> dict:
+    max_len = args.prompt_len + args.new_tokens
+    engine = Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
+                    kv_cache_tokens=(args.batch + 1) * max_len,
+                    max_prefill_tokens=max(args.max_prefill_tokens, max_len),
+                    enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
+    t0 = time.perf_counter()
+    engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    log(f"engine: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens")
+    sync(device)
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    sync(device)
+    sec = time.perf_counter() - t0
+    generated = sum(len(r.token_ids) for r in results)
+    if generated != args.batch * args.new_tokens:
+        raise RuntimeError(f"engine generated {generated} tokens, expected "
+                           f"{args.batch * args.new_tokens}")
+    stats = engine.stats
+    out = {"seconds": sec, "generated_tokens_per_s": generated / sec,
+           "total_tokens_per_s": (generated + args.batch * args.prompt_len) / sec,
+           "warmup_s": warmup_s, "logprob_max_abs_diff_vs_training_forward":
+               logprob_check(model, prompts, results)}
+    out.update({k: stats[k] for k in ("prefill_s", "decode_s", "num_prefill_steps",
+                                      "num_decode_steps", "attn_backend", "cuda_graphs",
+                                      "num_slots")})
+    out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
+    engine.free_cache()
+    return out
+
+
+def bench_hf(cfg: ModelConfig, prompts, args, device, dtype) -> dict:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    hf_cfg = Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, tie_word_embeddings=True,
+                         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(hf_cfg).to(dtype).eval()
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p,
+              top_k=max(args.top_k, 0), attention_mask=torch.ones_like(ids), pad_token_id=0)
+    log("hf warm-up")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+        log(f"hf generate: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens")
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                             **kw)
+        sync(device)
+    sec = time.perf_counter() - t0
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    del model
+    return {"seconds": sec, "generated_tokens_per_s": generated / sec,
+            "total_tokens_per_s": out.numel() / sec}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--attn", default="auto", choices=("auto", "flash", "sdpa"))
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
+    ap.add_argument("--variants", default="",
+                    help="comma list of extra engine runs to compare, each changing one knob: "
+                         "flash, sdpa (decode attention), eager (no CUDA graphs), compile")
+    ap.add_argument("--tiny", "--cpu-tiny", dest="tiny", action="store_true",
+                    help="CPU smoke run: tiny model, batch 4, prompt 16, 8 new tokens")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.batch, args.prompt_len = min(args.batch, 4), min(args.prompt_len, 16)
+        args.new_tokens = min(args.new_tokens, 8)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = TINY if args.tiny else QWEN2_5_0_5B
+    log(f"building {'tiny' if args.tiny else 'Qwen2.5-0.5B-shape'} decoder on {device} {dtype}")
+    torch.manual_seed(0)
+    model = Decoder(cfg, dtype=dtype, device=device).eval()
+    prompts = random_prompts(args.batch, args.prompt_len, cfg.vocab_size)
+    out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "model": "tiny" if args.tiny else "qwen2.5-0.5b-shape", "dtype": str(dtype),
+           "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "sampling": {"temperature": args.temperature, "top_p": args.top_p,
+                        "top_k": args.top_k},
+           "ours": bench_engine(model, prompts, args, device)}
+    log(f"ours: {out['ours']['generated_tokens_per_s']:.0f} generated tokens/s")
+    for name in filter(None, args.variants.split(",")):
+        knob = {"flash": {"attn": "flash"}, "sdpa": {"attn": "sdpa"}, "eager": {"eager": True},
+                "compile": {"compile": True}}.get(name)
+        if knob is None:
+            raise SystemExit(f"--variants: unknown variant {name!r} "
+                             f"(choose from flash, sdpa, eager, compile)")
+        log(f"variant {name}")
+        try:
+            res = bench_engine(model, prompts, argparse.Namespace(**{**vars(args), **knob}),
+                               device)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        out.setdefault("variants", {})[name] = res
+    if args.hf:
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+        out["hf"] = bench_hf(cfg, prompts, args, device, dtype)
+        out["speedup_vs_hf"] = (out["ours"]["generated_tokens_per_s"]
+                                / out["hf"]["generated_tokens_per_s"])
+        log(f"hf: {out['hf']['generated_tokens_per_s']:.0f} generated tokens/s")
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
