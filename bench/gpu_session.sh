@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One batched GPU session (run through the device tool on an nvidia-h200-x2 machine from the
+# repo root): GPU tests, then every benchmark, each writing JSON (and logs) under $OUT.
+# Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]   parts: tests model train rollout reshard kernels
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+parts=${*:-tests model train rollout reshard kernels}
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+run() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/session.log";
+        timeout "${T:-300}" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err";
+        echo "rc=$? $(tail -c 600 "$OUT/$name.json")" | tee -a "$OUT/session.log"; }
+for p in $parts; do case $p in
+  tests)   python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 | tee -a "$OUT/session.log" ;;
+  model)   run model_hf python3 tools/bench_model.py --iters 10 --hf
+           run model_compile python3 tools/bench_model.py --iters 10 --compile --profile ;;
+  train)   run train_111 torchrun --nproc_per_node=1 tools/bench_train.py
+           if [ "$ngpu" -ge 2 ]; then
+             run train_211 torchrun --nproc_per_node=2 tools/bench_train.py --tp 2
+             run train_121 torchrun --nproc_per_node=2 tools/bench_train.py --pp 2
+             run train_112 torchrun --nproc_per_node=2 tools/bench_train.py
+           fi ;;
+  rollout) run rollout python3 tools/bench_rollout.py --hf ;;
+  reshard) if [ "$ngpu" -ge 2 ]; then
+             run reshard torchrun --nproc_per_node=2 tools/bench_reshard.py --models 0.5b,7b --bucket-mb 64,256,1024
+           fi ;;
+  kernels) [ -f tools/bench_logprob.py ] && run logprob python3 tools/bench_logprob.py ;;
+esac; done
