@@ -40,20 +40,22 @@ def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
     return out
 
 
-def step_flops(model_cfg, seqlens: list[int], cfg, has_ref: bool, has_critic: bool) -> float:
-    """Model FLOPs of the step's training-engine work: old/ref log-prob and value forwards and
-    the actor/critic updates (fwd+bwd per epoch). Generation is not counted (it is measured
-    by perf/gen_tokens_per_s), so perf/mfu reads as the training phases' utilisation over the
-    whole step time."""
+def step_flops(model_cfg, seqlens: list[int], cfg, has_ref: bool,
+               has_critic: bool) -> dict[str, float]:
+    """Model FLOPs of the step's training-engine phases, keyed by their timing_s/ names:
+    old/ref log-prob and value forwards, actor/critic updates (fwd+bwd per epoch). Generation is
+    not counted (perf/gen_tokens_per_s measures it), so perf/mfu is the training phases'
+    utilisation over the whole step time."""
     c = model_cfg
     args = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
             c.head_dim)
-    lm_fwd = decoder_flops(*args, c.vocab_size, seqlens)
-    value_fwd = decoder_flops(*args, 1, seqlens)
-    actor_epochs = cfg.actor_rollout_ref.actor.ppo_epochs
-    total = lm_fwd + 3 * lm_fwd * actor_epochs          # old log-probs + actor update
+    lm_fwd = float(decoder_flops(*args, c.vocab_size, seqlens))
+    out = {"old_log_prob": lm_fwd,
+           "update_actor": 3 * lm_fwd * cfg.actor_rollout_ref.actor.ppo_epochs}
     if has_ref:
-        total += lm_fwd
+        out["ref"] = lm_fwd
     if has_critic:
-        total += value_fwd + 3 * value_fwd * cfg.critic.ppo_epochs
-    return float(total)
+        value_fwd = float(decoder_flops(*args, 1, seqlens))
+        out["values"] = value_fwd
+        out["update_critic"] = 3 * value_fwd * cfg.critic.ppo_epochs
+    return out

@@ -40,7 +40,8 @@ class RolloutCollector:
         greedy = not kw.do_sample or kw.temperature == 0
         return SamplingParams(n=kw.n, temperature=0.0 if greedy else kw.temperature,
                               top_p=kw.top_p, top_k=kw.top_k, max_tokens=self.max_resp,
-                              stop_token_ids=self.stop_ids, seed=seed)
+                              stop_token_ids=self.stop_ids, seed=seed,
+                              ignore_eos=bool(kw.get("ignore_eos", False)))
 
     def _generate(self, items: list[dict], params: SamplingParams) -> tuple[Batch, dict]:
         gen = self.generator.generate([it["prompt_ids"] for it in items], params)

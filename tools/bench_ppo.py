@@ -1,0 +1,169 @@
+"""Full RL steps on the seed's configuration: PPO (critic, GAE) or GRPO (n=8, no critic).
+
+Every phase of the real trainer runs: rollout (built-in engine), reshard, reward, old/ref
+log-probs, values, critic and actor updates. Model: the Qwen2.5-0.5B shape with random bf16
+weights, saved once as an HF directory with the Qwen2.5 tokenizer. Workloads:
+  seed   GSM8K train prompts with the seed's instruction and chat template (max 512 tokens),
+         responses forced to 256 tokens (random weights rarely stop)
+  fixed  512-token prompts + 256-token responses
+Batch: 256 sequences per step (PPO: 256 prompts; GRPO: 32 prompts x n=8), micro-batches packed
+to a token budget. JSON to stdout (per-step metrics of the timed steps, and their means);
+progress to stderr.
+
+    python tools/bench_ppo.py --workload seed --algo ppo [--steps 3 --warmup 1]
+        [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile]
+    python tools/bench_ppo.py --tiny          # CPU smoke run (stories260k, keyword prompts)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from hybridengine.config import load_config  # noqa: E402
+from hybridengine.rl.data import to_verl_row  # noqa: E402
+from hybridengine.rl.trainer import Trainer  # noqa: E402
+
+SHARED = ROOT.parent / "shared"
+KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_actor",
+        "perf/mfu/update_critic", "perf/mfu/old_log_prob", "perf/mfu/ref", "perf/mfu/values",
+        "perf/gen_tokens_per_s", "perf/max_memory_allocated_gb", "perf/total_num_tokens",
+        "timing_s/step", "timing_s/gen", "timing_s/reshard", "timing_s/reward",
+        "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
+        "timing_s/update_critic", "timing_s/update_actor", "reshard/bytes_per_rank",
+        "response_length/mean", "prompt_length/mean"]
+
+
+def log(msg: str) -> None:
+    print(f"[bench_ppo] {msg}", file=sys.stderr, flush=True)
+
+
+def make_model(out: Path, tokenizer_dir: Path) -> Path:
+    """A random Qwen2.5-0.5B-shaped HF directory (bf16) with the Qwen2.5 tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      tie_word_embeddings=True, max_position_embeddings=32768,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    for f in tokenizer_dir.iterdir():
+        if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja"):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def make_data(out: Path, workload: str, gsm8k: Path, num_rows: int) -> Path:
+    rows = []
+    if workload == "seed":
+        for i, line in enumerate(gsm8k.read_text().splitlines()[:num_rows]):
+            r = json.loads(line)
+            rows.append(to_verl_row(r["question"], r["answer"], "train", i))
+    else:       # long text truncated on the left to exactly max_prompt_length tokens
+        words = "the cat sat on a mat and then it ran to see how many numbers add up".split()
+        for i in range(num_rows):
+            text = " ".join(words[(i + k) % len(words)] for k in range(700))
+            rows.append({"data_source": "openai/gsm8k", "prompt": [{"role": "user",
+                         "content": text}], "reward_model": {"style": "rule",
+                                                             "ground_truth": "1"},
+                         "extra_info": {"index": i}})
+    path = out / f"{workload}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def overrides(args, model_dir: Path, data: Path, out: Path) -> list[str]:
+    ppo = args.algo == "ppo"
+    prompts = 256 if ppo else 32
+    ov = [f"data.train_files={data}", "data.val_files=null",
+          f"data.train_batch_size={prompts}", "data.max_prompt_length=512",
+          "data.max_response_length=256",
+          f"data.truncation={'left' if args.workload == 'fixed' else 'error'}",
+          f"actor_rollout_ref.model.path={model_dir}",
+          f"actor_rollout_ref.rollout.n={1 if ppo else 8}",
+          "actor_rollout_ref.rollout.ignore_eos=true",
+          "actor_rollout_ref.rollout.max_num_seqs=256",
+          "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+          "actor_rollout_ref.rollout.enforce_eager=false",
+          f"actor_rollout_ref.rollout.compile={str(args.rollout_compile).lower()}",
+          f"actor_rollout_ref.actor.ppo_mini_batch_size={64 if ppo else 32}",
+          "actor_rollout_ref.actor.use_dynamic_bsz=true",
+          f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_tokens}",
+          f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * args.max_tokens}",
+          "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+          f"trainer.total_training_steps={args.warmup + args.steps}",
+          f"trainer.default_local_dir={out}", "trainer.logger=['console']"]
+    if ppo:
+        ov += [f"critic.model.path={model_dir}", "algorithm.adv_estimator=gae",
+               f"critic.ppo_max_token_len_per_gpu={args.max_tokens}"]
+    else:
+        ov += ["--config", str(ROOT / "configs" / "grpo.yaml")]
+    return ov
+
+
+def tiny_overrides(args, out: Path) -> list[str]:
+    return ["--config", str(ROOT / "configs" / "tiny.yaml"),
+            f"actor_rollout_ref.model.path={ROOT / 'models' / 'stories260k'}",
+            f"data.train_files={ROOT / 'data' / 'stories_keywords' / 'train.jsonl'}",
+            "data.val_files=null", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            f"trainer.total_training_steps={args.warmup + args.steps}",
+            f"trainer.default_local_dir={out}"]
+
+
+def run(args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench_ppo_"))
+    if args.tiny:
+        cfg = load_config(tiny_overrides(args, work / "out"))
+    else:
+        log("writing a random Qwen2.5-0.5B-shaped model and the prompts")
+        model_dir = make_model(work / "model", Path(args.tokenizer))
+        data = make_data(work, args.workload, Path(args.gsm8k), num_rows=2048)
+        cfg = load_config(overrides(args, model_dir, data, work / "out"))
+    os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
+    trainer = Trainer(cfg, 1, 0)
+    batches = iter(trainer.sampler)
+    steps = []
+    for step in range(1, args.warmup + args.steps + 1):
+        t0 = time.perf_counter()
+        m = trainer.train_step(step, next(batches), lambda: next(batches, None))
+        log(f"step {step}: {time.perf_counter() - t0:.2f} s, "
+            f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU")
+        if step > args.warmup:
+            steps.append({k: m[k] for k in KEYS if k in m})
+    shutil.rmtree(work, ignore_errors=True)
+    mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
+            "algo": "grpo" if args.tiny else args.algo, "sequences_per_step": 256,
+            "rollout_compile": args.rollout_compile, "mean": mean, "steps": steps}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", choices=("seed", "fixed"), default="seed")
+    ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch")
+    ap.add_argument("--tokenizer", default=str(SHARED / "models" / "qwen2-tokenizer"))
+    ap.add_argument("--gsm8k", default=str(SHARED / "data" / "gsm8k" / "train.jsonl"))
+    ap.add_argument("--rollout-compile", action="store_true")
+    ap.add_argument("--tiny", action="store_true")
+    print(json.dumps(run(ap.parse_args())))
+
+
+if __name__ == "__main__":
+    main()
