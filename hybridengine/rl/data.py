@@ -129,6 +129,26 @@ def load_rows(paths: str | Path | Sequence[str | Path],
     return all_rows
 
 
+# ----------------------------------------------------------------------------- tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of an HF model directory. Code shipped with the model (auto_map) runs only
+    with trust_remote_code=True; without it such a tokenizer is refused, not executed."""
+    path = Path(model_dir)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model directory {path} has no tokenizer "
+                                f"(none of {', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; one line for users
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load the tokenizer of {path}: {first}") from e
+
+
 # ----------------------------------------------------------------------------- dataset
 
 def _messages(prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:

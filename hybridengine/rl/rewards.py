@@ -337,8 +337,11 @@ def score_batch(responses: Sequence[str], data_sources: Sequence[str],
             result = fn(data_source=source, solution_str=responses[i],
                         ground_truth=ground_truths[i], extra_info=extra_infos[i])
         except Exception as e:
-            raise RewardError(f"reward function failed on sample {i} (data_source={source!r}): "
-                              f"{type(e).__name__}: {e}") from e
+            # extra_info.index is the row's index in its data file: the sample a user can find
+            info = extra_infos[i] if isinstance(extra_infos[i], dict) else {}
+            row = f", extra_info.index={info['index']}" if "index" in info else ""
+            raise RewardError(f"reward function failed on sample {i} (data_source={source!r}"
+                              f"{row}): {type(e).__name__}: {e}") from e
         score, sample_extras = _split_result(result, i, source)
         if i > 0 and set(sample_extras) != set(extras):
             raise RewardError(f"reward for sample {i} (data_source={source!r}) has extra keys "

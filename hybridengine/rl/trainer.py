@@ -9,8 +9,7 @@
 """
 from __future__ import annotations
 
-import os
-import signal
+import math
 import time
 from pathlib import Path
 
@@ -22,8 +21,9 @@ from hybridengine.parallel import checkpoint as ckpt
 from hybridengine.parallel.mesh import Layout, build_mesh
 from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridengine.rl.batch import Batch
-from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows
+from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, load_tokenizer
 from hybridengine.rl.generation import Generator
+from hybridengine.rl.guards import Phases, SaveError, count_skipped_updates, inject_faults
 from hybridengine.rl.metrics import batch_metrics, step_flops
 from hybridengine.rl.rewards import load_custom_reward
 from hybridengine.rl.flops import peak_flops
@@ -50,16 +50,17 @@ class Trainer:
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.layout = validate_config(cfg, world_size)
         self.device = _device(cfg)
+        self.phases = Phases(rank, cfg.trainer.collective_timeout_s)
         torch.manual_seed(cfg.trainer.seed)
-        arr = cfg.actor_rollout_ref
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
+        model = cfg.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model.path, bool(model.get("trust_remote_code", False)))
+        crf = cfg.custom_reward_function   # before the models: a wrong path fails in a second
+        self.reward_fn = load_custom_reward(crf.path, crf.name) if crf.path else None
         self._build_data()
         self.total_steps = cfg.trainer.total_training_steps or len(self.sampler)
-        self._build_roles()
+        with self.phases.enter("setup"):
+            self._build_roles()
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
-        crf = cfg.custom_reward_function
-        self.reward_fn = load_custom_reward(crf.path, crf.name) if crf.path else None
         self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn)
         self.root = Path(cfg.trainer.default_local_dir)
         self.peak = peak_flops() if self.device.type == "cuda" else None
@@ -117,20 +118,29 @@ class Trainer:
     def train_step(self, step: int, indices: list[int], next_batch) -> dict:
         """One RL step on the prompts `indices` (next_batch() supplies more for DAPO)."""
         timings = {}
-        sync = self.device.type == "cuda"
+        sync, phase = self.device.type == "cuda", self.phases.enter
         with timer("step", timings, sync):
-            batch, gen_metrics = self.collector.collect(indices, next_batch, step, self.train_ds)
+            with phase("rollout"):
+                batch, gen_metrics = self.collector.collect(indices, next_batch, step,
+                                                            self.train_ds)
+            if batch is not None and not any(batch.response_ids):
+                # Every response ended at its first token: no token to score or train on.
+                if self.rank == 0:
+                    print(f"warning: step {step}: all {len(batch)} responses are empty; "
+                          f"nothing to train on, update skipped", flush=True)
+                batch, gen_metrics["response_length/mean"] = None, 0.0
             if batch is None:              # DAPO: no informative group within the budget
                 return {**gen_metrics, **self.generator.pop_metrics()}
             self._score(batch, timings, sync)
-            with timer("adv", timings, sync):
+            with phase("adv", timings, sync):
                 kl_metrics = self._advantages(batch)
             out = {}
             if self.critic is not None:
-                with timer("update_critic", timings, sync):
+                with phase("update_critic", timings, sync):
                     out.update(self.critic.update(batch, self._n, step))
-            with timer("update_actor", timings, sync):
+            with phase("update_actor", timings, sync):
                 out.update(self.actor.update(batch, self._n, step))
+            out["training/nan_skipped_updates"] = self._skipped_updates(out, len(batch), step)
             self._finish_schedules()
         out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics())
         out.update({f"timing_s/{k}": v for k, v in timings.items()})
@@ -143,14 +153,30 @@ class Trainer:
         return self.cfg.actor_rollout_ref.rollout.n
 
     def _score(self, batch: Batch, timings, sync):
-        with timer("old_log_prob", timings, sync):
+        phase = self.phases.enter
+        with phase("old_log_prob", timings, sync):
             batch.tensors["old_logprob"] = self.actor.score(batch, "logprob")
         if self.ref is not None:
-            with timer("ref", timings, sync):
+            with phase("ref", timings, sync):
                 batch.tensors["ref_logprob"] = self.ref.score(batch, "logprob")
         if self.critic is not None:
-            with timer("values", timings, sync):
+            with phase("values", timings, sync):
                 batch.tensors["values"] = self.critic.score(batch, "values")
+
+    def _skipped_updates(self, metrics: dict, num_sequences: int, step: int) -> int:
+        """trainer.nan_policy on this step's updates: raises (abort) or counts (skip)."""
+        total = 0
+        for name, role in (("critic", self.critic), ("actor", self.actor)):
+            if role is None:
+                continue
+            mini = role.cfg.ppo_mini_batch_size * self._n     # sequences per optimizer update
+            num_updates = math.ceil(num_sequences / mini) * role.cfg.ppo_epochs
+            total += count_skipped_updates(metrics, name, num_updates,
+                                           self.cfg.trainer.nan_policy, step)
+        if total and self.rank == 0:
+            print(f"warning: step {step}: dropped {total} non-finite update(s) "
+                  f"(trainer.nan_policy=skip)", flush=True)
+        return total
 
     def _advantages(self, batch: Batch) -> dict:
         alg, t = self.cfg.algorithm, batch.tensors
@@ -180,8 +206,11 @@ class Trainer:
                "perf/throughput": tokens / step_s / self.world}
         flops = step_flops(self.actor.engine.cfg, batch.seqlens, self.cfg, self.ref is not None,
                            self.critic is not None)
-        peak = self.peak or _cpu_peak()
-        out["perf/mfu"] = flops / step_s / (peak * self.world)
+        peak = (self.peak or _cpu_peak()) * self.world
+        out["perf/mfu"] = sum(flops.values()) / step_s / peak
+        for phase, f in flops.items():          # per training phase, over that phase's time
+            if timings.get(phase):
+                out[f"perf/mfu/{phase}"] = f / timings[phase] / peak
         if self.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return out
@@ -194,6 +223,17 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, step: int) -> Path:
+        """Checkpoint `step`; on a write error (disk full) the previous checkpoint stays the
+        latest, intact, and SaveError says so in one line."""
+        try:
+            return self._save(step)
+        except OSError as e:
+            last = ckpt.find_latest(self.root)
+            kept = f"global_step_{last} is the latest, intact" if last else "no earlier one"
+            raise SaveError(f"saving checkpoint global_step_{step} under {self.root} failed: "
+                            f"{e.strerror or e}; {kept}") from e
+
+    def _save(self, step: int) -> Path:
         tmp = ckpt.begin_checkpoint(self.root, step)
         self.actor.engine.save_hf(tmp / "actor")
         if self.critic is not None:
@@ -222,22 +262,27 @@ class Trainer:
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
                 pre = f"{name}/"
-                role.engine.optimizer.load_state_dict(
-                    {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)},
-                    meta[f"{name}_optimizer"])
+                try:
+                    role.engine.optimizer.load_state_dict(
+                        {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)},
+                        meta[f"{name}_optimizer"])
+                except ValueError as e:     # another model or layout wrote it
+                    raise ValueError(f"cannot resume {name} from {path}: {e}") from None
         self.sampler.load_state_dict(meta["sampler"])
         self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         return int(meta["step"])
 
     # --- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict:
-        t = self.cfg.trainer
-        start = self.resume()
+        t, phase = self.cfg.trainer, self.phases.enter
+        with phase("resume"):
+            start = self.resume()
         tracker = Tracker(t.logger, self.root, t.project_name, t.experiment_name, self.rank,
                           resume_step=start if start else None, total_steps=self.total_steps)
         last_val = {}
         if start == 0 and t.val_before_train:
-            last_val = self.validate()
+            with phase("validate"):
+                last_val = self.validate()
             tracker.log(last_val, 0)
         step = start
         batches = iter(self.sampler)
@@ -245,20 +290,20 @@ class Trainer:
             indices = next(batches, None)
             if indices is None:
                 break
-            step += 1
-            if os.environ.get("HYBRIDENGINE_KILL_AT_STEP") == str(step) and self.rank == 0:
-                os.kill(os.getpid(), signal.SIGKILL)       # fault injection for resume tests
+            step = self.phases.step = step + 1
+            inject_faults(step, self.rank, self.world)
             metrics = self.train_step(step, indices, lambda: next(batches, None))
             metrics["training/global_step"] = step
             is_last = step >= self.total_steps
-            if t.test_freq > 0 and (step % t.test_freq == 0 or is_last) or \
-                    (t.test_freq <= 0 and is_last):
-                last_val = self.validate()
+            # verl's rule: a frequency <= 0 turns validation / checkpoints off
+            if t.test_freq > 0 and (step % t.test_freq == 0 or is_last):
+                with phase("validate"):
+                    last_val = self.validate()
                 metrics.update(last_val)
             tracker.log(metrics, step)
-            if t.save_freq > 0 and (step % t.save_freq == 0 or is_last) or \
-                    (t.save_freq <= 0 and is_last):
-                self.save(step)
+            if t.save_freq > 0 and (step % t.save_freq == 0 or is_last):
+                with phase("save"):
+                    self.save(step)
         tracker.close()
         if self.rank == 0:
             print(f"metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}", flush=True)

@@ -1,0 +1,453 @@
+"""The bad-input catalogue: each case is a wrong file, key, layout or value, and the exact
+one-line error it gets (README: "When things go wrong"). Then what the trainer does on bad
+numbers and bad luck (non-finite losses, empty responses, a full disk, a checkpoint of another
+model), and the command line's own contract: "error: ..." on stderr, exit code 2.
+
+Fast on purpose: checks run in process, on the function that owns them; one-process Trainers
+on the stories260k model; launch/ppo.py only where the CLI itself is under test.
+"""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hybridengine.config import load_config, validate_config
+from hybridengine.models.hf import load_decoder, read_model_config
+from hybridengine.parallel import checkpoint as ckpt
+from hybridengine.rl.data import PromptDataset, load_rows, load_tokenizer
+from hybridengine.rl.guards import NonFiniteUpdate, SaveError
+from hybridengine.rl.rewards import RewardError, load_custom_reward, score_batch
+from hybridengine.rl.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+STORIES = ROOT / "models" / "stories260k"
+TINY = ROOT / "configs" / "tiny.yaml"
+TRAIN = ROOT / "data" / "stories_keywords" / "train.jsonl"
+
+
+def _row(content="Once upon a time", truth=("dog",), index=0):
+    return {"data_source": "keyword", "prompt": [{"role": "user", "content": content}],
+            "reward_model": {"style": "rule", "ground_truth": list(truth)},
+            "extra_info": {"index": index}}
+
+
+def _jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _tiny(*overrides):
+    return load_config(["--config", str(TINY), *overrides])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(STORIES)
+
+
+# ----------------------------------------------------------------------------- the catalogue
+# Each case: tmp_path -> (call, exception type, its exact message).
+
+def parquet_missing_column(tmp):
+    f = tmp / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "2+2?", "data_source": "openai/gsm8k"}]), f)
+    return lambda: load_rows(f), ValueError, \
+        f"{f}: missing column 'prompt' (columns: ['question', 'data_source'])"
+
+
+def empty_prompt(tmp):
+    f = _jsonl(tmp / "train.jsonl", [_row(), _row("   ", index=1)])
+    return lambda: load_rows(f), ValueError, f"{f} row 1: empty prompt"
+
+
+def ground_truth_missing(tmp):
+    row = _row()
+    del row["reward_model"]["ground_truth"]
+    f = _jsonl(tmp / "train.jsonl", [row])
+    return lambda: load_rows(f), ValueError, f"{f} row 0: missing reward_model.ground_truth"
+
+
+def prompt_file_missing(tmp):
+    return lambda: load_rows(tmp / "nope.parquet"), FileNotFoundError, \
+        f"prompt file not found: {tmp / 'nope.parquet'}"
+
+
+def jsonl_line_not_json(tmp):
+    f = tmp / "train.jsonl"
+    f.write_text(json.dumps(_row()) + "\n{oops\n")
+    return lambda: load_rows(f), ValueError, f"{f}:2: invalid JSON (Expecting property name " \
+        "enclosed in double quotes)"
+
+
+def prompt_too_long_truncation_error(tmp):
+    tok = load_tokenizer(STORIES)
+    n = len(tok.encode("Once upon a time there was a dog", add_special_tokens=False)) + 1  # BOS
+    return lambda: PromptDataset([_row("Once upon a time there was a dog")], tok, 4), ValueError, \
+        f"prompt row 0 has {n} tokens > max_prompt_length=4 (set data.truncation or " \
+        f"data.filter_overlong_prompts=True)"
+
+
+def every_prompt_filtered(tmp):
+    tok = load_tokenizer(STORIES)
+    return lambda: PromptDataset([_row("Once upon a time there was a dog")], tok, 4,
+                                 filter_overlong_prompts=True), ValueError, \
+        "no prompts left: all 1 are longer than max_prompt_length=4"
+
+
+def unknown_config_key(tmp):
+    return lambda: _tiny("trainer.total_trainig_steps=2"), ValueError, \
+        "unknown config key 'trainer.total_trainig_steps' (nearest known key: " \
+        "'trainer.total_training_steps')"
+
+
+def wrong_type_for_key(tmp):
+    return lambda: _tiny("trainer.total_training_steps=ten"), ValueError, \
+        "trainer.total_training_steps='ten': expected an integer or null, got str"
+
+
+def unknown_choice(tmp):
+    return lambda: _tiny("trainer.nan_policy=ignore"), ValueError, \
+        "trainer.nan_policy='ignore': choose one of abort, skip"
+
+
+def tp_does_not_divide_heads(tmp):
+    return lambda: read_model_config(STORIES).check_tp(3), ValueError, \
+        "num_attention_heads=8 is not divisible by tensor parallel size 3"
+
+
+def tp_does_not_divide_kv_heads(tmp):
+    return lambda: read_model_config(STORIES).check_tp(8), ValueError, \
+        "num_key_value_heads=4 is not divisible by tensor parallel size 8"
+
+
+def tp_pp_does_not_divide_world(tmp):
+    return lambda: validate_config(_tiny(), 3), ValueError, \
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size * " \
+        "pipeline_model_parallel_size = 2*1 must be positive and divide the world size 3"
+
+
+def rollout_tp_does_not_divide_actor_tp_pp(tmp):
+    cfg = _tiny("actor_rollout_ref.rollout.tensor_model_parallel_size=4")
+    return lambda: validate_config(cfg, 4), ValueError, \
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=4 must divide actor tp*pp = 2*1: " \
+        "the generation layout has d_g = tp*pp/t_g replicas per training replica"
+
+
+def batch_not_multiple_of_mini_batch(tmp):
+    cfg = _tiny("actor_rollout_ref.actor.ppo_mini_batch_size=6")
+    return lambda: validate_config(cfg, 2), ValueError, \
+        "data.train_batch_size=16 must be a multiple of " \
+        "actor_rollout_ref.actor.ppo_mini_batch_size=6"
+
+
+def mini_batch_does_not_split_over_dp(tmp):
+    cfg = _tiny("actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_mini_batch_size=2")
+    return lambda: validate_config(cfg, 8), ValueError, \
+        "actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n = 2*3 sequences do not split " \
+        "over data-parallel size 4 (= world / (tp 2 * pp 1))"
+
+
+def model_dir_without_config(tmp):
+    return lambda: load_decoder(tmp), FileNotFoundError, f"model directory {tmp} has no config.json"
+
+
+def corrupt_safetensors(tmp):
+    d = tmp / "m"
+    shutil.copytree(STORIES, d)
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    return lambda: load_decoder(d), ValueError, \
+        f"corrupt safetensors file {d / 'model.safetensors'}: Error while deserializing " \
+        f"header: invalid header length"
+
+
+def unsupported_model_type(tmp):
+    d = tmp / "m"
+    shutil.copytree(STORIES, d)
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(conf, model_type="gpt2")))
+    return lambda: read_model_config(d), ValueError, \
+        f"model_type='gpt2' in {d} is not supported (supported: llama, qwen2)"
+
+
+def tokenizer_missing(tmp):
+    d = tmp / "m"
+    shutil.copytree(STORIES, d, ignore=shutil.ignore_patterns("tokenizer*"))
+    return lambda: load_tokenizer(d), FileNotFoundError, \
+        f"model directory {d} has no tokenizer (none of tokenizer.json, tokenizer.model, " \
+        f"vocab.json, tokenizer_config.json)"
+
+
+def reward_function_raises(tmp):
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return 1.0 / len(solution_str)
+    call = lambda: score_batch(["a dog", ""], ["keyword"] * 2, [["dog"]] * 2,   # noqa: E731
+                               [{"index": 11}, {"index": 12}], fn=compute_score)
+    return call, RewardError, "reward function failed on sample 1 (data_source='keyword', " \
+        "extra_info.index=12): ZeroDivisionError: float division by zero"
+
+
+def reward_not_finite(tmp):
+    call = lambda: score_batch(["x"], ["keyword"], [["dog"]],      # noqa: E731
+                               fn=lambda **kw: float("nan"))
+    return call, RewardError, "reward for sample 0 (data_source='keyword') is nan"
+
+
+def reward_file_missing(tmp):
+    return lambda: load_custom_reward(tmp / "my_reward.py"), FileNotFoundError, \
+        f"custom reward file not found: {tmp / 'my_reward.py'}"
+
+
+def reward_function_name_missing(tmp):
+    f = tmp / "my_reward.py"
+    f.write_text("def compute_score(**kw):\n    return 0.0\n")
+    return lambda: load_custom_reward(f, "score"), AttributeError, \
+        f"custom reward function 'score' not found in {f}"
+
+
+def resume_path_missing(tmp):
+    cfg = _tiny("trainer.resume_mode=resume_path")
+    return lambda: validate_config(cfg, 2), ValueError, \
+        "trainer.resume_mode=resume_path needs trainer.resume_from_path"
+
+
+def world_differs_from_nnodes_times_gpus(tmp):
+    cfg = _tiny("trainer.nnodes=2", "trainer.n_gpus_per_node=8")
+    return lambda: validate_config(cfg, 8), ValueError, \
+        "trainer.nnodes * trainer.n_gpus_per_node = 2*8 but the launcher started 8 processes"
+
+
+CATALOGUE = [
+    parquet_missing_column, empty_prompt, ground_truth_missing, prompt_file_missing,
+    jsonl_line_not_json, prompt_too_long_truncation_error, every_prompt_filtered,
+    unknown_config_key, wrong_type_for_key, unknown_choice, tp_does_not_divide_heads,
+    tp_does_not_divide_kv_heads, tp_pp_does_not_divide_world,
+    rollout_tp_does_not_divide_actor_tp_pp, batch_not_multiple_of_mini_batch,
+    mini_batch_does_not_split_over_dp, model_dir_without_config, corrupt_safetensors,
+    unsupported_model_type, tokenizer_missing, reward_function_raises, reward_not_finite,
+    reward_file_missing, reward_function_name_missing, resume_path_missing,
+    world_differs_from_nnodes_times_gpus,
+]
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=lambda c: c.__name__)
+def test_catalogue(case, tmp_path):
+    call, kind, message = case(tmp_path)
+    with pytest.raises(kind) as info:
+        call()
+    text = info.value.args[0] if info.value.args else str(info.value)   # KeyError quotes str()
+    assert text == message
+    assert "\n" not in text
+
+
+# ----------------------------------------------------------------------------- data behaviours
+
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_prompt_too_long_is_truncated_as_verl(tokenizer, mode):
+    text = "Once upon a time there was a dog"
+    full = PromptDataset([_row(text)], tokenizer, 64).prompt_ids[0]
+    cut = PromptDataset([_row(text)], tokenizer, 4, truncation=mode).prompt_ids[0]
+    assert len(full) > 4
+    assert cut == (full[-4:] if mode == "left" else full[:4])
+
+
+# ----------------------------------------------------------------------------- security
+
+def test_weights_only_through_safetensors(tmp_path, monkeypatch):
+    """A pickled checkpoint (pytorch_model.bin) is refused, never unpickled."""
+    d = tmp_path / "m"
+    shutil.copytree(STORIES, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save({"x": torch.zeros(1)}, d / "pytorch_model.bin")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+    with pytest.raises(FileNotFoundError) as info:
+        load_decoder(d)
+    assert str(info.value) == f"model directory {d} has no *.safetensors files"
+
+
+def test_tokenizer_code_runs_only_when_trusted(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(STORIES, d)
+    marker = tmp_path / "ran"
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "EvilTokenizer",
+         "auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}}))
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                               "from transformers import PreTrainedTokenizerFast\n"
+                               "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(d)
+    assert str(info.value).startswith(f"cannot load the tokenizer of {d}: The repository {d} "
+                                      f"contains custom code which must be executed")
+    assert not marker.exists()
+
+
+def test_custom_reward_comes_only_from_the_named_file(tmp_path, monkeypatch):
+    """A same-named module on sys.path is not what runs, and the file does not become an
+    importable module for later imports."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "my_reward.py").write_text("def compute_score(**kw):\n    return -1.0\n")
+    monkeypatch.syspath_prepend(str(shadow))
+    named = tmp_path / "named" / "my_reward.py"
+    named.parent.mkdir()
+    named.write_text("def compute_score(**kw):\n    return 0.5\n")
+    fn = load_custom_reward(named)
+    assert fn(data_source="x", solution_str="", ground_truth="", extra_info=None) == 0.5
+    assert "my_reward" not in sys.modules
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def _trainer(tmp_path, *overrides):
+    """A one-process GRPO trainer on stories260k: 4 prompts x 2 samples, 2 updates per step."""
+    from hybridengine.rl.trainer import Trainer
+    cfg = _tiny(f"data.train_files={TRAIN}", "data.val_files=null",
+                f"actor_rollout_ref.model.path={STORIES}",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.rollout.n=2", "data.max_response_length=8",
+                "actor_rollout_ref.actor.use_kl_loss=false", "trainer.val_before_train=False",
+                "trainer.logger=[]", f"trainer.default_local_dir={tmp_path}", *overrides)
+    return Trainer(cfg)
+
+
+def _poison_first_advantage(trainer):
+    """A NaN in the advantage of sequence 0: the first mini-batch's loss is NaN."""
+    compute = trainer._advantages
+
+    def poisoned(batch):
+        metrics = compute(batch)
+        batch.tensors["advantages"][0, 0] = float("nan")
+        return metrics
+    trainer._advantages = poisoned
+
+
+def _weights(trainer):
+    return {k: v.clone() for k, v in trainer.actor.engine.model.state_dict().items()}
+
+
+def test_nan_loss_aborts_by_default(tmp_path):
+    trainer = _trainer(tmp_path, "trainer.total_training_steps=1")
+    _poison_first_advantage(trainer)
+    with pytest.raises(NonFiniteUpdate) as info:
+        trainer.fit()
+    assert str(info.value) == (
+        "step 1: non-finite actor update (actor/grad_norm=nan, actor/pg_loss=nan; 1 of 2 "
+        "updates dropped); trainer.nan_policy=abort stops here (skip: drop and count them)")
+
+
+def test_nan_loss_skip_drops_and_counts_the_update(tmp_path, capsys):
+    trainer = _trainer(tmp_path, "trainer.total_training_steps=1", "trainer.nan_policy=skip")
+    _poison_first_advantage(trainer)
+    trainer.fit()
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row["training/nan_skipped_updates"] == 1
+    assert trainer.actor.engine.optimizer.num_steps == 1      # the clean mini-batch applied
+    assert all(torch.isfinite(p).all() for p in trainer.actor.engine.model.parameters())
+    assert "warning: step 1: dropped 1 non-finite update(s) (trainer.nan_policy=skip)" in \
+        capsys.readouterr().out
+
+
+def _responses(lengths_of):
+    """A stand-in generator result: response i has lengths_of(i) tokens."""
+    from types import SimpleNamespace
+
+    def generate(prompts, params):
+        ids = [[5] * lengths_of(i) for i in range(len(prompts) * params.n)]
+        return SimpleNamespace(response_ids=ids, logprobs=[[-1.0] * len(r) for r in ids],
+                               num_generated_tokens=sum(map(len, ids)), seconds=0.01)
+    return generate
+
+
+def test_all_responses_empty_skips_the_update_and_says_so(tmp_path, capsys):
+    trainer = _trainer(tmp_path)
+    trainer.generator.generate = _responses(lambda i: 0)
+    before = _weights(trainer)
+    metrics = trainer.train_step(1, [0, 1, 2, 3], lambda: None)
+    assert metrics["response_length/mean"] == 0.0 and "actor/pg_loss" not in metrics
+    after = _weights(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "warning: step 1: all 8 responses are empty; nothing to train on, update skipped" in \
+        capsys.readouterr().out
+
+
+def test_some_responses_empty_train_on_the_rest(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.generator.generate = _responses(lambda i: 0 if i % 2 else 3)
+    metrics = trainer.train_step(1, [0, 1, 2, 3], lambda: None)
+    assert metrics["response_length/min"] == 0 and metrics["response_length/mean"] == 1.5
+    assert trainer.actor.engine.optimizer.num_steps == 2
+    assert all(v == v for v in metrics.values())                # no NaN anywhere
+
+
+def test_disk_full_on_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=1")
+    real_save = ckpt.save_file
+
+    def disk_full_at_step_2(tensors, filename, metadata=None):
+        if "global_step_2" in filename:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(tensors, filename, metadata=metadata)
+    monkeypatch.setattr(ckpt, "save_file", disk_full_at_step_2)
+    with pytest.raises(SaveError) as info:
+        trainer.fit()
+    assert str(info.value) == (f"saving checkpoint global_step_2 under {tmp_path} failed: No "
+                               f"space left on device; global_step_1 is the latest, intact")
+    assert ckpt.find_latest(tmp_path) == 1
+    monkeypatch.undo()
+    resumed = _trainer(tmp_path, "trainer.total_training_steps=2")
+    assert resumed.resume() == 1
+    load_decoder(tmp_path / "global_step_1" / "actor")         # a complete HF directory
+
+
+def test_resume_from_a_checkpoint_of_another_model_shape(tmp_path):
+    _trainer(tmp_path / "run").save(1)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    other = tmp_path / "other"
+    conf = LlamaConfig.from_pretrained(str(STORIES))
+    conf.intermediate_size = 128
+    LlamaForCausalLM(conf).save_pretrained(str(other))
+    for f in STORIES.glob("tokenizer*"):
+        shutil.copy(f, other / f.name)
+    trainer = _trainer(tmp_path / "run", f"actor_rollout_ref.model.path={other}")
+    with pytest.raises(ValueError) as info:
+        trainer.resume()
+    assert str(info.value) == (
+        f"cannot resume actor from {tmp_path / 'run'}: optimizer checkpoint does not match the "
+        f"model: layers.4.mlp.down_proj.weight [64, 172] (bucket 0, offset 64) in the "
+        f"checkpoint, layers.4.mlp.down_proj.weight [64, 128] (bucket 0, offset 64) now")
+
+
+# ----------------------------------------------------------------------------- the command line
+
+def _cli(*args):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC"))}
+    env.update(HYBRIDENGINE_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "ppo.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_config_is_one_line_exit_2():
+    proc = _cli("trainer.total_trainig_steps=2")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: unknown config key 'trainer.total_trainig_steps' (nearest known key: "
+        "'trainer.total_training_steps')"]
+
+
+def test_cli_missing_reward_file_is_one_line_exit_2(tmp_path):
+    proc = _cli("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                f"custom_reward_function.path={tmp_path / 'reward.py'}")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == \
+        f"error: custom reward file not found: {tmp_path / 'reward.py'}"
+    assert "Traceback" not in proc.stderr
