@@ -83,7 +83,7 @@ ALIASES = {
 
 # verl keys with no meaning here (fnmatch patterns on the key or a prefix of it): dropped, warned.
 IGNORED = (
-    "ray_init", "*.strategy", "*.fsdp_config", "*.use_torch_compile", "*.checkpoint", "*.profile",
+    "ray_init", "*.strategy", "*.fsdp_config", "*.checkpoint", "*.profile",
     "*.profiler", "*.load_weight", "*.data_loader_seed", "*.use_remove_padding", "*.external_lib",
     "*.override_config", "*.enable_gradient_checkpointing", "*.gradient_checkpointing_kwargs",
     "*.use_liger", "*.use_fused_kernels", "*.use_shm", "*.tokenizer_path",

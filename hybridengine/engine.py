@@ -66,7 +66,8 @@ class OptimConfig:
 class TrainEngine:
     def __init__(self, model_dir, mesh, *, sequence_parallel: bool = True,
                  value_head: bool = False, dtype=torch.float32, device="cpu",
-                 optim: OptimConfig | None = None, temperature: float = 1.0):
+                 optim: OptimConfig | None = None, temperature: float = 1.0,
+                 compile_layers: bool = False):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
@@ -76,6 +77,10 @@ class TrainEngine:
             self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
                                       value_head=value_head, dtype=dtype, device=self.device)
         self.cfg = self.model.cfg
+        if compile_layers and self.device.type == "cuda":
+            # Per layer, dynamic shapes: packed micro-batches change T every call.
+            for layer in self.model.layers:
+                layer.compile(dynamic=True)
         self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
         self.embedding_group = self._build_embedding_group()
         self.optimizer = None

@@ -98,6 +98,7 @@ def overrides(args, model_dir: Path, data: Path, out: Path) -> list[str]:
           "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
           "actor_rollout_ref.rollout.enforce_eager=false",
           f"actor_rollout_ref.rollout.compile={str(args.rollout_compile).lower()}",
+          f"actor_rollout_ref.actor.use_torch_compile={str(args.train_compile).lower()}",
           f"actor_rollout_ref.actor.ppo_mini_batch_size={64 if ppo else 32}",
           "actor_rollout_ref.actor.use_dynamic_bsz=true",
           f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_tokens}",
@@ -148,7 +149,8 @@ def run(args) -> dict:
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
             "algo": "grpo" if args.tiny else args.algo, "sequences_per_step": 256,
-            "rollout_compile": args.rollout_compile, "mean": mean, "steps": steps}
+            "rollout_compile": args.rollout_compile, "train_compile": args.train_compile,
+            "mean": mean, "steps": steps}
 
 
 def main():
@@ -161,6 +163,7 @@ def main():
     ap.add_argument("--tokenizer", default=str(SHARED / "models" / "qwen2-tokenizer"))
     ap.add_argument("--gsm8k", default=str(SHARED / "data" / "gsm8k" / "train.jsonl"))
     ap.add_argument("--rollout-compile", action="store_true")
+    ap.add_argument("--train-compile", action="store_true", help="compile the training layers")
     ap.add_argument("--tiny", action="store_true")
     print(json.dumps(run(ap.parse_args())))
 

@@ -88,15 +88,16 @@ class Trainer:
         arr = cfg.actor_rollout_ref
         a_meg = arr.actor.megatron
         dtype = _dtype(a_meg.param_dtype, self.device)
+        compile_lm = bool(arr.actor.use_torch_compile)
         actor_engine = TrainEngine(
             arr.model.path, self._mesh(lay.actor, meshes), dtype=dtype, device=self.device,
-            sequence_parallel=lay.actor.sequence_parallel,
+            sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
             optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps))
         self.actor = Actor(actor_engine, arr)
         self.ref = None
         if uses_reference(cfg):
             ref_engine = TrainEngine(arr.model.path, self._mesh(lay.ref, meshes), dtype=dtype,
-                                     device=self.device,
+                                     device=self.device, compile_layers=compile_lm,
                                      sequence_parallel=lay.ref.sequence_parallel)
             self.ref = Reference(ref_engine, arr.ref)
         self.critic = None
@@ -104,6 +105,7 @@ class Trainer:
             c = cfg.critic
             critic_engine = TrainEngine(
                 c.model.path, self._mesh(lay.critic, meshes), value_head=True,
+                compile_layers=bool(c.use_torch_compile),
                 dtype=_dtype(c.megatron.param_dtype, self.device), device=self.device,
                 sequence_parallel=lay.critic.sequence_parallel,
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps))
