@@ -26,6 +26,7 @@ import torch.distributed as dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
+from hybridengine.parallel.mesh import group_timeout
 from hybridengine.parallel.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
     train_1f1b
@@ -99,7 +100,7 @@ class TrainEngine:
         for d in range(lay.dp):
             for t in range(lay.tp):
                 ranks = [lay.rank(0, d, t), lay.rank(lay.pp - 1, d, t)]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=group_timeout(None))
                 if self.mesh.rank in ranks:
                     mine = g
         return mine

@@ -198,7 +198,7 @@ def _my_group(groups: list[list[int]], rank: int, timeout) -> tuple[object, list
     return mine, mine_ranks
 
 
-def _group_timeout(timeout_s: float | None) -> datetime.timedelta | None:
+def group_timeout(timeout_s: float | None) -> datetime.timedelta | None:
     """timeout_s, else the default group's timeout (init_distributed's timeout_s).
 
     torch gives a new group 30 minutes whatever the default group has; inheriting keeps
@@ -224,7 +224,7 @@ def build_mesh(layout: Layout, timeout_s: float | None = None) -> ParallelMesh:
         return ParallelMesh(layout, 0)
     world, rank = dist.get_world_size(), dist.get_rank()
     layout.check_world_size(world)
-    timeout = _group_timeout(timeout_s)
+    timeout = group_timeout(timeout_s)
     mesh = ParallelMesh(layout, rank)
     mesh.tp_group, mesh.tp_ranks = _my_group(layout.tp_groups(), rank, timeout)
     mesh.dp_group, mesh.dp_ranks = _my_group(layout.dp_groups(), rank, timeout)
@@ -341,7 +341,7 @@ def build_gen_mesh(layout: Layout, gen_tp: int, timeout_s: float | None = None) 
         return GenMesh(gen, 0, gen_tp_ranks=[0], micro_dp_ranks=[0])
     world, rank = dist.get_world_size(), dist.get_rank()
     layout.check_world_size(world)
-    timeout = _group_timeout(timeout_s)
+    timeout = group_timeout(timeout_s)
     mesh = GenMesh(gen, rank)
     mesh.gen_tp_group, mesh.gen_tp_ranks = _my_group(gen.gen_tp_groups(), rank, timeout)
     mesh.micro_dp_group, ranks = _my_group(gen.micro_dp_groups(), rank, timeout)

@@ -9,6 +9,8 @@ from hybridengine.rl.flops import decoder_flops
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    if x.numel() == 0:          # e.g. advantages of a batch whose responses are all empty
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
     return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(),
             f"{prefix}/min": x.min().item()}
 
