@@ -1,20 +1,15 @@
-"""Packing and micro-batching: balance against brute force, budgets, equal counts, round trips."""
+"""Micro-batching: balance against brute force, token budgets, equal counts across DP ranks."""
 import itertools
 import random
 
 import pytest
-import torch
 
 from hybridengine.rl.packing import (
     balanced_partitions,
     equal_count_microbatches,
     fixed_size_microbatches,
     num_microbatches_for_budget,
-    pack,
-    pack_values,
-    pad_packed_to_multiple,
     token_budget_microbatches,
-    unpack,
 )
 
 
@@ -130,45 +125,6 @@ def test_fixed_size_microbatches():
     assert fixed_size_microbatches(0, 3) == []
     with pytest.raises(ValueError, match="micro_batch_size"):
         fixed_size_microbatches(4, 0)
-
-
-def test_pack_layout_and_round_trip():
-    seqs = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]
-    packed = pack(seqs)
-    assert packed.input_ids.tolist() == [5, 6, 7, 8, 9, 10]
-    assert packed.position_ids.tolist() == [0, 1, 2, 0, 0, 1]
-    assert packed.cu_seqlens.dtype == torch.int32
-    assert packed.cu_seqlens.tolist() == [0, 3, 4, 6]
-    assert packed.max_seqlen == 3 and packed.seqlens == [3, 1, 2]
-    hidden = torch.randn(6, 4)
-    pieces = unpack(hidden, packed.cu_seqlens)
-    assert torch.equal(torch.cat(pieces), hidden)
-    for seq, piece in zip(seqs, unpack(packed.input_ids, packed.cu_seqlens)):
-        assert torch.equal(seq, piece)
-
-
-def test_pad_to_multiple_is_ignorable():
-    seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
-    packed = pad_packed_to_multiple(pack(seqs), 4, pad_token_id=0)
-    assert packed.num_tokens == 8 and packed.num_pad == 3
-    assert packed.cu_seqlens.tolist() == [0, 3, 5, 8]      # the dummy is its own sequence
-    assert packed.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
-    assert packed.max_seqlen == 3 and packed.num_sequences == 2
-    logits = torch.arange(16.0).view(8, 2)
-    assert [p.shape[0] for p in packed.unpack(logits)] == [3, 2]
-    assert torch.equal(packed.strip(logits), logits[:5])
-    mask = pack_values([torch.ones(3), torch.ones(2)], packed)
-    assert mask.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
-    assert pad_packed_to_multiple(pack(seqs), 5).num_pad == 0
-
-
-def test_pack_errors():
-    with pytest.raises(ValueError, match="non-empty 1-D"):
-        pack([torch.tensor([1]), torch.zeros(2, 2, dtype=torch.long)])
-    with pytest.raises(ValueError, match="do not match"):
-        pack_values([torch.ones(2)], pack([torch.tensor([1, 2, 3])]))
-    with pytest.raises(ValueError, match="tokens"):
-        unpack(torch.zeros(5), torch.tensor([0, 3, 6], dtype=torch.int32))
 
 
 def test_split_to_count_keeps_feasibility():

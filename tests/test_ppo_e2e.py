@@ -1,8 +1,6 @@
 """End to end: the embedded default job learns; the seed's verl command, GRPO and DAPO run on
 GSM8K with a tiny random Qwen2; checkpoints load in transformers; kill -9 + resume is exact."""
-import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path

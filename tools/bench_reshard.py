@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hybridengine.hybrid.plan import MODES  # noqa: E402
 from hybridengine.hybrid.reshard import HybridEngine  # noqa: E402
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.parallel import tensor as ptensor  # noqa: E402

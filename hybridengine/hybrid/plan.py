@@ -40,8 +40,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
-
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import Piece, param_plan
 from hybridengine.parallel.mesh import GenLayout, Layout

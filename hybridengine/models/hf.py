@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridengine.models.decoder import Decoder, ModelConfig
-from hybridengine.parallel.tensor import all_gather_dim0, group_rank, group_size
+from hybridengine.parallel.tensor import all_gather_dim0, group_size
 
 SUPPORTED = ("llama", "qwen2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",

@@ -15,13 +15,9 @@ Three layers, each a pure function of sequence lengths (no communication, no ten
    its DP group, and calls `token_budget_microbatches(..., num_microbatches=that_max)`; any
    count between a rank's minimum and its number of sequences is achievable.
 
-Then `pack` lays one micro-batch out as a single row of T tokens: position ids restart at 0 per
-sequence and `cu_seqlens` marks the boundaries for varlen attention, so no pad token is ever
-computed. `pad_packed_to_multiple` appends one dummy sequence so T divides the tensor-parallel
-size (sequence parallelism scatters T over TP ranks). Callers ignore the dummy by construction:
-it is the last segment of `cu_seqlens` (its own sequence, so real tokens never attend to it),
-`seqlens` lists only the real sequences, per-token outputs are cut back with `strip` / `unpack`,
-and per-token inputs built with `pack_values` carry `pad_value` (0 for loss masks) there.
+Packing a micro-batch into one row of tokens (position ids restarting per sequence,
+`cu_seqlens` for varlen attention, a dummy tail sequence so T divides the TP size) is
+`hybridengine.models.attention.PackedInput`.
 """
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ import heapq
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -204,102 +199,3 @@ def fixed_size_microbatches(n: int, micro_batch_size: int) -> list[list[int]]:
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
     return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
-
-
-# ----------------------------------------------------------------------------- packing
-
-
-@dataclass
-class PackedBatch:
-    """One micro-batch as a single row of T tokens.
-
-    cu_seqlens has one more segment than `seqlens` when `num_pad` > 0: the trailing dummy
-    sequence of `pad_packed_to_multiple`. max_seqlen covers every segment (varlen kernels need it).
-    """
-
-    input_ids: Tensor      # [T] int64
-    position_ids: Tensor   # [T] int64, 0.. per sequence
-    cu_seqlens: Tensor     # [n+1] int32 (n+2 when padded)
-    max_seqlen: int
-    seqlens: list[int]     # real sequences only
-    num_pad: int = 0
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.seqlens)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
-    def strip(self, values: Tensor) -> Tensor:
-        """[T, ...] -> [T - num_pad, ...]: drop the dummy tokens from a per-token output."""
-        return values[: values.shape[0] - self.num_pad]
-
-    def unpack(self, values: Tensor) -> list[Tensor]:
-        """[T, ...] -> one [L_i, ...] view per real sequence (the dummy is dropped)."""
-        return unpack(values, self.cu_seqlens)[: self.num_sequences]
-
-
-def pack(sequences: Sequence[Tensor]) -> PackedBatch:
-    """Concatenate 1-D token tensors into one packed row (device of the inputs)."""
-    if not sequences:
-        raise ValueError("cannot pack an empty list of sequences")
-    for i, seq in enumerate(sequences):
-        if seq.dim() != 1 or seq.numel() == 0:
-            raise ValueError(f"sequence {i} has shape {tuple(seq.shape)}; expected a non-empty 1-D tensor")
-    device = sequences[0].device
-    seqlens = [int(seq.numel()) for seq in sequences]
-    lengths = torch.tensor(seqlens, dtype=torch.int64, device=device)
-    cu_seqlens = torch.zeros(len(seqlens) + 1, dtype=torch.int32, device=device)
-    cu_seqlens[1:] = lengths.cumsum(0)
-    input_ids = torch.cat([seq.to(torch.int64) for seq in sequences])   # [T]
-    starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), lengths)
-    position_ids = torch.arange(input_ids.shape[0], device=device) - starts  # [T]
-    return PackedBatch(input_ids, position_ids, cu_seqlens, max(seqlens), seqlens)
-
-
-def unpack(values: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
-    """[T, ...] packed values -> per-segment views [L_i, ...] (every segment of cu_seqlens,
-    the dummy one included; `PackedBatch.unpack` drops it)."""
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != values.shape[0]:
-        raise ValueError(f"cu_seqlens spans [{bounds[0]}, {bounds[-1]}] but values have "
-                         f"{values.shape[0]} tokens")
-    return list(torch.split(values, [b - a for a, b in zip(bounds[:-1], bounds[1:])]))
-
-
-def pad_packed_to_multiple(packed: PackedBatch, multiple: int, pad_token_id: int = 0) -> PackedBatch:
-    """Append one dummy sequence of (-T mod multiple) tokens so T divides `multiple` (the TP
-    size under sequence parallelism). Returns `packed` itself when no padding is needed."""
-    if multiple < 1:
-        raise ValueError(f"multiple={multiple} must be >= 1")
-    num_pad = (-packed.num_tokens) % multiple
-    if num_pad == 0:
-        return packed
-    if packed.num_pad:
-        raise ValueError(f"batch already carries {packed.num_pad} pad tokens for another multiple")
-    device = packed.input_ids.device
-    pad_ids = torch.full((num_pad,), pad_token_id, dtype=packed.input_ids.dtype, device=device)
-    end = packed.cu_seqlens[-1:] + num_pad
-    return PackedBatch(
-        input_ids=torch.cat([packed.input_ids, pad_ids]),
-        position_ids=torch.cat([packed.position_ids, torch.arange(num_pad, device=device)]),
-        cu_seqlens=torch.cat([packed.cu_seqlens, end.to(torch.int32)]),
-        max_seqlen=max(packed.max_seqlen, num_pad),
-        seqlens=list(packed.seqlens),
-        num_pad=num_pad,
-    )
-
-
-def pack_values(values: Sequence[Tensor], packed: PackedBatch, pad_value: float = 0) -> Tensor:
-    """Lay per-sequence tensors [L_i, ...] out like `packed` (labels, masks, advantages):
-    concatenated, plus `num_pad` rows of `pad_value` for the dummy sequence."""
-    lengths = [int(v.shape[0]) for v in values]
-    if lengths != packed.seqlens:
-        raise ValueError(f"value lengths {lengths} do not match packed seqlens {packed.seqlens}")
-    flat = torch.cat(list(values))                                     # [T - num_pad, ...]
-    if not packed.num_pad:
-        return flat
-    pad = flat.new_full((packed.num_pad, *flat.shape[1:]), pad_value)
-    return torch.cat([flat, pad])                                       # [T, ...]
