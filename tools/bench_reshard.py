@@ -31,13 +31,11 @@ from hybridengine.parallel import tensor as ptensor  # noqa: E402
 from hybridengine.parallel.mesh import Layout, build_gen_mesh, build_mesh, \
     init_distributed  # noqa: E402
 
+from hybridengine.models.shapes import QWEN2_5_0_5B, QWEN2_5_7B  # noqa: E402
+
 SHAPES = {
-    "0.5b": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                        num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6,
-                        tie_word_embeddings=True, attention_bias=True, model_type="qwen2"),
-    "7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-                      num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
-                      tie_word_embeddings=False, attention_bias=True, model_type="qwen2"),
+    "0.5b": QWEN2_5_0_5B,
+    "7b": QWEN2_5_7B,
     "tiny": ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True,
                         model_type="qwen2"),

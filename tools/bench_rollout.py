@@ -28,14 +28,9 @@ from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.rollout.engine import Engine  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
-QWEN2_5_0_5B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                           num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-                           rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                           attention_bias=True, max_position_embeddings=32768,
-                           model_type="qwen2")
-TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
-                   attention_bias=True, max_position_embeddings=1024, model_type="qwen2")
+from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
+
+# vLLM's CPU attention needs head_dim >= 32
 TINY_VLLM = replace(TINY, hidden_size=128, intermediate_size=256, head_dim=32)
 
 

@@ -23,7 +23,8 @@ from hybridengine.engine import MicroBatch, OptimConfig, TrainEngine  # noqa: E4
 from hybridengine.models.attention import PackedInput  # noqa: E402
 from hybridengine.parallel.mesh import Layout, build_mesh, init_distributed  # noqa: E402
 from hybridengine.rl.flops import decoder_flops, peak_flops  # noqa: E402
-from tools.bench_model import QWEN2_5_0_5B, TINY, mixed_lengths  # noqa: E402
+from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
+from tools.bench_model import mixed_lengths  # noqa: E402
 
 
 def main():
