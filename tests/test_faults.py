@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import free_port
-from hybridengine.parallel.mesh import _group_timeout
+from hybridengine.parallel.mesh import group_timeout
 from hybridengine.rl.guards import Phases, PeerFailure, peer_failure_kind
 from hybridengine.rl.rewards import RewardError
 from hybridengine.rl.tracking import read_metrics
@@ -127,12 +127,12 @@ def test_kill_injection_fires_once_per_restart_series():
 
 
 def test_new_groups_inherit_the_collective_timeout(tmp_path):
-    assert _group_timeout(3) == datetime.timedelta(seconds=3)
+    assert group_timeout(3) == datetime.timedelta(seconds=3)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=7))
     try:
-        assert _group_timeout(None) == datetime.timedelta(seconds=7)
-        assert _group_timeout(3) == datetime.timedelta(seconds=3)
+        assert group_timeout(None) == datetime.timedelta(seconds=7)
+        assert group_timeout(3) == datetime.timedelta(seconds=3)
     finally:
         dist.destroy_process_group()
 
