@@ -110,13 +110,13 @@ class Generator:
                 engine.free_cache()
         finally:
             self.hybrid.to_training()
-        out = self._gather(results, mine, len(prompts), params.n)
+        out = self._gather(results, len(prompts), params.n)
         if self.actor.device.type == "cuda":
             torch.cuda.synchronize()
         out.seconds = time.perf_counter() - t0
         return out
 
-    def _gather(self, results, mine, num_prompts, n) -> Generated:
+    def _gather(self, results, num_prompts, n) -> Generated:
         """All-gather every replica's results; keep TP rank 0's copy of each replica's."""
         width = max([len(r.token_ids) for r in results] + [1])
         if dist.is_initialized():
