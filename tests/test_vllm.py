@@ -79,7 +79,7 @@ def _hf_tensors(model_dir) -> dict[str, torch.Tensor]:
 def _stream_rank(rank, world, model_dir, bucket_mb):
     from hybridengine.models.hf import load_decoder
     from hybridengine.parallel.mesh import Layout, build_mesh
-    from hybridengine.rollout.vllm import hf_weight_stream
+    from hybridengine.rollout.hf_stream import hf_weight_stream
     mesh = build_mesh(Layout(tp=world))
     model = load_decoder(model_dir, mesh)
     stats = {}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridengine.hybrid.plan import VOCAB_PARAMS
 from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.models.hf import VOCAB_PARAMS
 from hybridengine.parallel.mesh import GenMesh
 
 

@@ -41,11 +41,10 @@ import functools
 from dataclasses import dataclass
 
 from hybridengine.models.decoder import Decoder, ModelConfig
-from hybridengine.models.hf import Piece, param_plan
+from hybridengine.models.hf import VOCAB_PARAMS, Piece, param_plan
 from hybridengine.parallel.mesh import GenLayout, Layout
 
 MODES = ("zero_redundancy", "naive")
-VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.parallel.tensor import all_gather_dim0, group_size
 
 SUPPORTED = ("llama", "qwen2")
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")   # vocab-parallel rows (tp-padded)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
                    "generation_config.json", "chat_template.jinja")
