@@ -1,4 +1,5 @@
-"""Gradient sync over data parallel in flat buckets, and a distributed AdamW (ZeRO-1).
+"""Gradient sync over data parallel in flat buckets, and a distributed AdamW (ZeRO-1); the LR
+schedule is in lr_schedule.py.
 
 Gradients
     Every trainable parameter gets `p.main_grad`, a view into a flat fp32 bucket buffer. A
@@ -49,67 +50,17 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hybridengine.parallel.lr_schedule import LRSchedule, first_error
 from hybridengine.parallel.tensor import (all_gather_flat, all_reduce, group_rank, group_size,
                                           reduce_scatter_dim0)
 
 ParamFilter = Callable[[str, nn.Parameter], bool]
 _ALIGN = 64          # elements: bucket views start on 256-byte (fp32) boundaries
-WARMUP_STYLES = ("constant", "cosine")
 
 
 def default_no_decay(name: str, param: nn.Parameter) -> bool:
     """Biases and norm weights (every parameter with fewer than 2 dims) get no weight decay."""
     return param.dim() < 2
-
-
-@dataclass(frozen=True)
-class LRSchedule:
-    """verl's optim schedule: lr, lr_warmup_steps (-1: lr_warmup_steps_ratio·total_training_steps),
-    warmup_style constant | cosine, min_lr_ratio, num_cycles.
-
-    `step` in get_lr is the number of schedule steps already taken (0 for the first update), as
-    a LambdaLR stepped once per trainer step.
-        constant  lr·step/w during warm-up (step < w), then lr
-        cosine    lr·(m + (1-m)·step/w) during warm-up, then
-                  lr·max(m, m + (1-m)·(1 + cos(2π·num_cycles·progress))/2),
-                  progress = (step - w) / max(1, total_steps - w)
-    """
-
-    lr: float
-    total_steps: int = 0
-    warmup_steps: int = -1
-    warmup_steps_ratio: float = 0.0
-    warmup_style: str = "constant"
-    min_lr_ratio: float = 0.0
-    num_cycles: float = 0.5
-
-    def __post_init__(self):
-        _first_error([
-            (self.lr >= 0, f"optim.lr={self.lr} must be >= 0"),
-            (self.warmup_style in WARMUP_STYLES,
-             f"optim.warmup_style={self.warmup_style!r} is unknown; choose from {WARMUP_STYLES}"),
-            (0.0 <= self.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={self.min_lr_ratio} must be "
-                                               f"in [0, 1]"),
-            (0.0 <= self.warmup_steps_ratio <= 1.0,
-             f"optim.lr_warmup_steps_ratio={self.warmup_steps_ratio} must be in [0, 1]"),
-            (self.warmup_style != "cosine" or self.total_steps > 0,
-             f"warmup_style='cosine' needs total_training_steps > 0, got {self.total_steps}")])
-
-    @property
-    def num_warmup_steps(self) -> int:
-        if self.warmup_steps >= 0:
-            return self.warmup_steps
-        return int(self.warmup_steps_ratio * self.total_steps)
-
-    def get_lr(self, step: int) -> float:
-        w, m = self.num_warmup_steps, self.min_lr_ratio
-        if self.warmup_style == "constant":
-            return self.lr * (step / max(1, w) if step < w else 1.0)
-        if step < w:
-            return self.lr * (m + (1.0 - m) * step / max(1, w))
-        progress = (step - w) / max(1, self.total_steps - w)
-        cosine = 0.5 * (1.0 + math.cos(2.0 * math.pi * self.num_cycles * progress))
-        return self.lr * max(m, m + (1.0 - m) * cosine)
 
 
 @dataclass
@@ -427,7 +378,7 @@ def _describe(slot) -> str:
 
 
 def _check_args(params, betas, eps, weight_decay, grad_reduce) -> None:
-    _first_error([
+    first_error([
         (bool(params), "DistributedOptimizer got no trainable parameters"),
         (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
          f"optim.betas={tuple(betas)} must be two values in [0, 1)"),
@@ -436,9 +387,3 @@ def _check_args(params, betas, eps, weight_decay, grad_reduce) -> None:
         (grad_reduce in ("sum", "mean"), f"grad_reduce={grad_reduce!r} must be 'sum' or 'mean'"),
         (len({n for n, _ in params}) == len({id(p) for _, p in params}) == len(params),
          "DistributedOptimizer got a parameter twice (by name or by tensor)")])
-
-
-def _first_error(checks: list[tuple[bool, str]]) -> None:
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
