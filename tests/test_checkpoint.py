@@ -15,12 +15,7 @@ from hybridengine.parallel.checkpoint import (LATEST, begin_checkpoint, checkpoi
 from hybridengine.parallel.optimizer import DistributedOptimizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _draws() -> tuple:

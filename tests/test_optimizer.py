@@ -13,13 +13,7 @@ from model_utils import rel_err, save_tiny
 NUM_SAMPLES, NUM_STEPS = 8, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only contend on a shared machine (50x slower here).
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mlp(seed: int = 0) -> nn.Module:

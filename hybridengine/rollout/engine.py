@@ -45,6 +45,20 @@ class GenerationResult:
     finish_reason: str          # 'stop' | 'length'
 
 
+def check_prompts(prompts: list[list[int]], max_model_len: int, vocab_size: int) -> None:
+    """One-line errors for prompts a rollout engine cannot take."""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) >= max_model_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len={max_model_len} "
+                             f"leaves no room for a response")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the "
+                             f"vocabulary [0, {vocab_size})")
+
+
 class Engine:
     """Engine(model, max_num_seqs, max_model_len, ...).generate(prompts, params) -> results
     ordered prompt-major (prompt i, sample j at i·n + j).
@@ -87,7 +101,7 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        self._check_prompts(prompts)
+        check_prompts(prompts, self.max_model_len, self.model.cfg.vocab_size)
         if not prompts:
             return []
         seed = params.seed if params.seed is not None else self._shared_seed()
@@ -148,19 +162,6 @@ class Engine:
                                         lp[s.seq_id, :n].tolist(), slp[s.seq_id, :n].tolist(),
                                         reason))
         return out
-
-    def _check_prompts(self, prompts) -> None:
-        vocab = self.model.cfg.vocab_size
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len="
-                                 f"{self.max_model_len} leaves no room for a response")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= vocab:
-                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the "
-                                 f"vocabulary [0, {vocab})")
 
     def _shared_seed(self) -> int:
         """A fresh random seed, the same on every rank of the generation-TP group."""

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.parallel.tensor import group_size
-from hybridengine.rollout.engine import GenerationResult
+from hybridengine.rollout.engine import GenerationResult, check_prompts
 from hybridengine.rollout.hf_stream import hf_weight_stream
 from hybridengine.rollout.sampling import SamplingParams, sequence_key
 
@@ -234,7 +234,7 @@ class VllmRollout:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
         """Results ordered prompt-major (prompt i, sample j at i·n + j), as Engine.generate."""
-        self._check_prompts(prompts)
+        check_prompts(prompts, self.max_model_len, self.cfg.vocab_size)
         if not prompts:
             return []
         if self.asleep:
@@ -282,18 +282,6 @@ class VllmRollout:
             except ValueError:          # "Invalid process group": destroyed with the world
                 if dist.is_initialized():
                     raise
-
-    def _check_prompts(self, prompts) -> None:
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len="
-                                 f"{self.max_model_len} leaves no room for a response")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self.cfg.vocab_size:
-                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the "
-                                 f"vocabulary [0, {self.cfg.vocab_size})")
 
     def _shared_seed(self) -> int:
         """A fresh random seed, the same on every rank of this vLLM replica."""
