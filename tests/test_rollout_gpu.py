@@ -7,7 +7,7 @@ import torch
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import load_decoder
 from hybridengine.rollout import attention
-from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.engine import Engine, max_logprob_gap
 from hybridengine.rollout.sampling import SamplingParams
 from model_utils import STORIES
 from test_rollout import _hf_greedy, _pick_stop, _prompts
@@ -58,18 +58,8 @@ def test_flash_decode_bf16_logprobs_match_training_forward():
                         attn_backend=backend)
         assert engine.runner.backend == backend
         by_backend[backend] = engine.generate(prompts, params)
-    from hybridengine.models.attention import PackedInput
     for backend, results in by_backend.items():
-        seqs = [prompts[r.prompt_index] + r.token_ids for r in results]
-        with torch.no_grad():
-            packed = PackedInput.from_lengths(torch.tensor(sum(seqs, []), device=CUDA),
-                                              [len(s) for s in seqs])
-            logp, _ = model.logprob_entropy(model(packed), torch.roll(packed.input_ids, -1))
-        start, worst = 0, 0.0
-        for r, s in zip(results, seqs):
-            ref = logp[start + len(s) - len(r.token_ids) - 1: start + len(s) - 1].float().cpu()
-            worst = max(worst, (torch.tensor(r.logprobs) - ref).abs().max().item())
-            start += len(s)
+        worst = max_logprob_gap(model, prompts, results)
         assert worst < 0.05, (backend, worst)          # bf16 forward vs bf16 forward
 
 

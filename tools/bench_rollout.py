@@ -23,9 +23,8 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hybridengine.models.attention import PackedInput  # noqa: E402
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
-from hybridengine.rollout.engine import Engine  # noqa: E402
+from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
 from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
@@ -50,18 +49,7 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> li
 
 def logprob_check(model, prompts, results, num: int = 4) -> float:
     """Max |engine logprob - training-forward logprob| over the first `num` sequences."""
-    seqs = [prompts[r.prompt_index] + r.token_ids for r in results[:num]]
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        packed = PackedInput.from_lengths(torch.tensor(sum(seqs, []), device=device),
-                                          [len(s) for s in seqs])
-        logp, _ = model.logprob_entropy(model(packed), torch.roll(packed.input_ids, -1))
-    worst, start = 0.0, 0
-    for r, s in zip(results, seqs):
-        ref = logp[start + len(s) - len(r.token_ids) - 1: start + len(s) - 1].float().cpu()
-        worst = max(worst, (torch.tensor(r.logprobs) - ref).abs().max().item())
-        start += len(s)
-    return worst
+    return max_logprob_gap(model, prompts, results[:num])
 
 
 def bench_engine(model, prompts, args, device) -> dict:

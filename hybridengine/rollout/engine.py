@@ -59,6 +59,24 @@ def check_prompts(prompts: list[list[int]], max_model_len: int, vocab_size: int)
                              f"vocabulary [0, {vocab_size})")
 
 
+def max_logprob_gap(model, prompts: list[list[int]], results) -> float:
+    """Max |engine log-prob - training-forward log-prob| over the sampled tokens of `results`
+    (the forward of the same model on prompt + response, packed): the rollout's numerics check."""
+    from hybridengine.models.attention import PackedInput
+    seqs = [prompts[r.prompt_index] + r.token_ids for r in results]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        packed = PackedInput.from_lengths(torch.tensor(sum(seqs, []), device=device),
+                                          [len(s) for s in seqs])
+        logp, _ = model.logprob_entropy(model(packed), torch.roll(packed.input_ids, -1))
+    worst, start = 0.0, 0
+    for r, s in zip(results, seqs):
+        ref = logp[start + len(s) - len(r.token_ids) - 1: start + len(s) - 1].float().cpu()
+        worst = max(worst, (torch.tensor(r.logprobs) - ref).abs().max().item())
+        start += len(s)
+    return worst
+
+
 class Engine:
     """Engine(model, max_num_seqs, max_model_len, ...).generate(prompts, params) -> results
     ordered prompt-major (prompt i, sample j at i·n + j).
