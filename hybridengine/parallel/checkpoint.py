@@ -103,6 +103,9 @@ def begin_checkpoint(root: str | os.PathLike, step: int) -> Path:
     """Start checkpoint `step` (collective): returns the temp dir every rank writes into."""
     root, tmp = Path(root), _tmp_dir(root, step)
     rank, _ = _rank_world()
+    # Rank 0 deletes leftovers below; no rank may still be reading them (a load in progress, a
+    # look at a crashed save) when it does.
+    _barrier()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("global_step_*.tmp"):      # left by a crashed save
