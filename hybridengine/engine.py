@@ -6,6 +6,7 @@ about RL: a caller hands it packed micro-batches and a loss function.
 
     engine.train_step(microbatches, loss_fn) -> metrics   (one optimizer step)
     engine.forward_only(microbatches)        -> per-token outputs on every rank
+    engine.park(["optimizer"]) / unpark(...) -> its parts in host memory between uses
 
 A MicroBatch is a PackedInput plus per-token tensors of its real (unpadded) tokens, e.g.
 `targets` (the next token of each position, any value at a sequence's last position), masks,
@@ -27,9 +28,15 @@ from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
 from hybridengine.parallel.mesh import group_timeout
+from hybridengine.parallel.offload import HostParking
 from hybridengine.parallel.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
     train_1f1b
+
+
+# What a TrainEngine can park in host memory: its weights, its gradient buckets (dead between
+# updates: freed, not copied) and its optimizer state (fp32 master weights, Adam moments).
+PARTS = ("params", "grads", "optimizer")
 
 
 @dataclass
@@ -89,6 +96,7 @@ class TrainEngine:
             self.optimizer = self._build_optimizer(optim)
         else:
             self.model.requires_grad_(False)
+        self._parking: dict[str, HostParking] = {}
 
     # --- setup --------------------------------------------------------------------------------
     def _build_embedding_group(self):
@@ -121,6 +129,40 @@ class TrainEngine:
             use_distributed_optimizer=o.use_distributed_optimizer, bucket_mb=o.bucket_mb,
             grad_reduce="sum", count_in_grad_norm=counted)
 
+    # --- host offload -------------------------------------------------------------------------
+    def _parts(self, part: str) -> HostParking:
+        if part not in self._parking:
+            opt = self.optimizer
+            if part not in PARTS or (part != "params" and opt is None):
+                raise ValueError(f"cannot offload {part!r}: this engine has "
+                                 f"{PARTS if opt is not None else PARTS[:1]}")
+            tensors = {"params": lambda: self.model.parameters(),
+                       "grads": lambda: [b.grad for b in opt.buckets],
+                       "optimizer": lambda: [t for b in opt.buckets
+                                             for t in (b.master, b.exp_avg, b.exp_avg_sq)]}[part]
+            self._parking[part] = HostParking(tensors(), keep_values=part != "grads", name=part)
+        return self._parking[part]
+
+    def park(self, parts, skip=()) -> float:
+        """Move `parts` (of PARTS) to host memory, except storages shared with tensors in `skip`.
+        Returns seconds."""
+        return sum(self._parts(p).park(skip) for p in parts)
+
+    def unpark(self, parts) -> float:
+        """Bring `parts` back to the device. Returns seconds."""
+        return sum(self._parts(p).unpark() for p in parts if p in self._parking)
+
+    def parked_bytes(self) -> int:
+        """Device bytes of this engine parked in host memory (or freed) now."""
+        return sum(p.parked_bytes for p in self._parking.values())
+
+    def require(self, *parts: str) -> None:
+        """Raise instead of touching a parked part (its storage holds no bytes)."""
+        parked = [p for p in parts if p in self._parking and self._parking[p].parked]
+        if parked:
+            raise RuntimeError(f"{', '.join(parked)} of this engine are offloaded to host memory;"
+                               f" unpark() them before this phase")
+
     # --- one stage's forward ------------------------------------------------------------------
     def _activation_shape(self, mbs):
         tp = self.mesh.tp if self.model.sp else 1
@@ -146,6 +188,7 @@ class TrainEngine:
         """Forward/backward over all micro-batches (1F1B), gradient sync, one optimizer step.
         Returns loss_fn's metrics averaged over micro-batches and DP ranks (on every rank), plus
         grad_norm, lr and whether the update was applied."""
+        self.require(*PARTS)
         opt = self.optimizer
         opt.zero_grad()
         metrics: list[dict] = []
@@ -195,6 +238,7 @@ class TrainEngine:
     @torch.no_grad()
     def forward_only(self, microbatches: list[MicroBatch]) -> list[dict[str, torch.Tensor]]:
         """Per-token outputs of every micro-batch, on every rank of the replica."""
+        self.require("params")
         self.model.eval()
         outs = forward_only(lambda i, x: self._stage_outputs(microbatches[i], x),
                             len(microbatches), self._activation_shape(microbatches), self.comm)
@@ -209,4 +253,5 @@ class TrainEngine:
         return result
 
     def save_hf(self, out_dir, dtype=None) -> None:
+        self.require("params")
         save_hf(self.model, out_dir, self.mesh, src_dir=self.model_dir, dtype=dtype)

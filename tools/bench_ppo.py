@@ -11,7 +11,11 @@ to a token budget. JSON to stdout (per-step metrics of the timed steps, and thei
 progress to stderr.
 
     python tools/bench_ppo.py --workload seed --algo ppo [--steps 3 --warmup 1]
-        [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile]
+        [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile]
+        [--offload grads,optimizer] [--profile] [--set KEY=VALUE ...]
+--offload moves those parts of the actor and critic to the host outside the phases that use
+them (megatron.*_offload, rl.residency); --profile runs one more step under torch.profiler and
+adds its kernel table per phase (tools/profiling.py) as "profile".
     python tools/bench_ppo.py --tiny          # CPU smoke run (stories260k, keyword prompts)
 """
 from __future__ import annotations
@@ -29,9 +33,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 from hybridengine.config import load_config  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
+from profiling import kernel_table  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_actor",
@@ -39,7 +45,8 @@ KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_ac
         "perf/gen_tokens_per_s", "perf/max_memory_allocated_gb", "perf/total_num_tokens",
         "timing_s/step", "timing_s/gen", "timing_s/reshard", "timing_s/reward",
         "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
-        "timing_s/update_critic", "timing_s/update_actor", "reshard/bytes_per_rank",
+        "timing_s/update_critic", "timing_s/update_actor", "timing_s/offload",
+        "reshard/bytes_per_rank",
         "response_length/mean", "prompt_length/mean"]
 
 
@@ -104,7 +111,7 @@ def overrides(args, model_dir: Path, data: Path, out: Path) -> list[str]:
           f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_tokens}",
           f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * args.max_tokens}",
           "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-          f"trainer.total_training_steps={args.warmup + args.steps}",
+          f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile)}",
           f"trainer.default_local_dir={out}", "trainer.logger=['console']"]
     if ppo:
         ov += [f"critic.model.path={model_dir}", "algorithm.adv_estimator=gae",
@@ -120,19 +127,35 @@ def tiny_overrides(args, out: Path) -> list[str]:
             f"data.train_files={ROOT / 'data' / 'stories_keywords' / 'train.jsonl'}",
             "data.val_files=null", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
             "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-            f"trainer.total_training_steps={args.warmup + args.steps}",
+            f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile)}",
             f"trainer.default_local_dir={out}"]
+
+
+PHASES = ["rollout", "prefill", "decode", "reshard", "old_log_prob", "ref", "values", "adv",
+          "update_critic", "update_actor"]
+
+
+def extra_overrides(args) -> list[str]:
+    ov = list(args.set)
+    flags = {"params": "param_offload", "grads": "grad_offload",
+             "optimizer": "optimizer_offload"}
+    for part in filter(None, args.offload.split(",")):
+        if part not in flags:
+            raise SystemExit(f"--offload {part!r}: choose from {', '.join(flags)}")
+        ov += [f"{role}.megatron.{flags[part]}=true"
+               for role in ("actor_rollout_ref.actor", "critic")]
+    return ov
 
 
 def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench_ppo_"))
     if args.tiny:
-        cfg = load_config(tiny_overrides(args, work / "out"))
+        cfg = load_config(tiny_overrides(args, work / "out") + extra_overrides(args))
     else:
         log("writing a random Qwen2.5-0.5B-shaped model and the prompts")
         model_dir = make_model(work / "model", Path(args.tokenizer))
         data = make_data(work, args.workload, Path(args.gsm8k), num_rows=2048)
-        cfg = load_config(overrides(args, model_dir, data, work / "out"))
+        cfg = load_config(overrides(args, model_dir, data, work / "out") + extra_overrides(args))
     os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
     trainer = Trainer(cfg, 1, 0)
     batches = iter(trainer.sampler)
@@ -144,13 +167,24 @@ def run(args) -> dict:
             f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU")
         if step > args.warmup:
             steps.append({k: m[k] for k in KEYS if k in m})
+    profile = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                         else [])
+        with torch_profile(activities=acts) as prof:
+            trainer.train_step(step + 1, next(batches), lambda: next(batches, None))
+        profile = kernel_table(prof, PHASES)
+        log("profiled one more step: " + ", ".join(
+            f"{k} {v['kernel_ms']:.0f} ms" for k, v in profile.items()))
     shutil.rmtree(work, ignore_errors=True)
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
             "algo": "grpo" if args.tiny else args.algo, "sequences_per_step": 256,
             "rollout_compile": args.rollout_compile, "train_compile": args.train_compile,
-            "mean": mean, "steps": steps}
+            "offload": args.offload, "overrides": args.set, "mean": mean, "steps": steps,
+            **({"profile": profile} if profile is not None else {})}
 
 
 def main():
@@ -165,6 +199,10 @@ def main():
     ap.add_argument("--rollout-compile", action="store_true")
     ap.add_argument("--train-compile", action="store_true", help="compile the training layers")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--offload", default="", help="comma list of params,grads,optimizer")
+    ap.add_argument("--profile", action="store_true", help="kernel table per phase of a step")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more config override (repeatable)")
     print(json.dumps(run(ap.parse_args())))
 
 

@@ -11,6 +11,9 @@ weights are checked equal. JSON to stdout (and --out).
 
     torchrun --nproc_per_node=2 tools/bench_reshard.py [--models 0.5b,7b] [--bucket-mb 256]
     torchrun --nproc_per_node=2 tools/bench_reshard.py --tiny       # CPU / gloo smoke check
+--profile adds to each run the kernel table of one more switch (tools/profiling.py): copy and
+NCCL time, and each stream's busy time against the switch's span (do the copies hide under the
+gathers?).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.hybrid.reshard import HybridEngine  # noqa: E402
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.parallel import tensor as ptensor  # noqa: E402
@@ -32,6 +36,7 @@ from hybridengine.parallel.mesh import Layout, build_gen_mesh, build_mesh, \
     init_distributed  # noqa: E402
 
 from hybridengine.models.shapes import QWEN2_5_0_5B, QWEN2_5_7B  # noqa: E402
+from profiling import kernel_table  # noqa: E402
 
 SHAPES = {
     "0.5b": QWEN2_5_0_5B,
@@ -88,6 +93,17 @@ def bench_allgather(group, num_bytes, device, warmup, iters):
     return {"seconds": sec, "busbw_gbps": (size - 1) * chunk * 2 / sec / 1e9}
 
 
+def profile_switch(engine, train, device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        engine.to_generation(train)
+        _sync(device)
+    engine.to_training()
+    engine.pop_metrics()
+    return kernel_table(prof, ["reshard"])
+
+
 def bench_model(name, cfg, args, mesh, gen_mesh, device):
     torch.manual_seed(1000 + mesh.rank)
     train = Decoder(cfg, mesh.tp_group, sequence_parallel=True, dtype=torch.bfloat16,
@@ -104,6 +120,8 @@ def bench_model(name, cfg, args, mesh, gen_mesh, device):
                               keep_weights=keep)
         stats, snapshots[mode] = bench_switch(engine, train, args.warmup, args.iters)
         stats.update(mode=mode, bucket_mb=bucket_mb, keep_weights=keep)
+        if args.profile:
+            stats["profile"] = profile_switch(engine, train, device)
         result["runs"].append(stats)
         del engine
         if device.type == "cuda":
@@ -131,6 +149,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--profile", action="store_true", help="kernel table of one more switch")
     args = ap.parse_args()
     args.bucket_mb = [float(x) for x in args.bucket_mb.split(",")]
     models = ["tiny"] if args.tiny else args.models.split(",")

@@ -8,7 +8,9 @@ prefill / decode split, and a check of its log-probs against the training forwar
 stdout, progress to stderr.
 
     python tools/bench_rollout.py [--batch 256] [--prompt-len 512] [--new-tokens 256] [--hf]
-                                  [--variants sdpa,eager,compile]
+                                  [--variants sdpa,eager,compile] [--profile]
+--profile: one more generate under torch.profiler; "profile" holds its kernel table for prefill
+and decode (tools/profiling.py) and the decode kernels per step.
     python tools/bench_rollout.py --tiny [--hf]          # CPU smoke run on a tiny model
 """
 from __future__ import annotations
@@ -23,11 +25,13 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
 from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
+from profiling import kernel_table  # noqa: E402
 
 # vLLM's CPU attention needs head_dim >= 32
 TINY_VLLM = replace(TINY, hidden_size=128, intermediate_size=256, head_dim=32)
@@ -84,8 +88,27 @@ def bench_engine(model, prompts, args, device) -> dict:
                                       "num_decode_steps", "attn_backend", "cuda_graphs",
                                       "num_slots")})
     out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
+    if getattr(args, "profile", False):
+        out["profile"] = profile_generate(engine, prompts, params, device)
     engine.free_cache()
     return out
+
+
+def profile_generate(engine, prompts, params, device) -> dict:
+    """Kernel tables of one more generate call, and the decode kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        engine.generate(prompts, params)
+        sync(device)
+    table = kernel_table(prof, ["prefill", "decode"], top=20)
+    steps = max(engine.stats["num_decode_steps"], 1)
+    if "decode" in table:
+        d = table["decode"]
+        table["decode_per_step"] = {"kernel_ms": d["kernel_ms"] / steps,
+                                    "kernels": d["kernels"] / steps, "steps": steps}
+    log("profile: " + ", ".join(f"{k} {v['kernel_ms']:.1f} ms" for k, v in table.items()))
+    return table
 
 
 def bench_hf(cfg: ModelConfig, prompts, args, device, dtype) -> dict:
@@ -173,6 +196,8 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="",
                     help="comma list of extra engine runs to compare, each changing one knob: "
                          "flash, sdpa (decode attention), eager (no CUDA graphs), compile")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel table of one more generate (prefill, decode)")
     ap.add_argument("--tiny", "--cpu-tiny", dest="tiny", action="store_true",
                     help="CPU smoke run: tiny model, batch 4, prompt 16, 8 new tokens")
     args = ap.parse_args(argv)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from hybridengine.hybrid.gen_model import assign_weights, build_gen_decoder, release_weights
 from hybridengine.hybrid.plan import MODES, ReshardPlan, max_received_numel, plan_reshard
@@ -135,7 +136,7 @@ class HybridEngine:
         if self._store.program is not prog:          # a new rollout / training dtype
             self._store = _Store(prog)
         stats, store = _Stats(), self._store
-        with torch.no_grad():
+        with torch.no_grad(), record_function("reshard"):
             rebound = _bind(prog, params, store, dtype, device)
             _run(prog, store, self.group, stats)
         if rebound:

@@ -43,7 +43,7 @@ class Generator:
 
     def __init__(self, actor_engine, gen_tp: int, rollout_cfg, reshard_mode: str,
                  bucket_mb: float, dtype: torch.dtype, max_model_len: int,
-                 offload=None, reload=None):
+                 offload=None, reload=None, residency=None):
         self.actor, self.mesh = actor_engine, actor_engine.mesh
         self.gen_mesh = build_gen_mesh(self.mesh.layout, gen_tp)
         self.hybrid = HybridEngine(actor_engine.cfg, self.mesh, self.gen_mesh, mode=reshard_mode,
@@ -60,6 +60,7 @@ class Generator:
                 raise ValueError(f"actor_rollout_ref.rollout.name=vllm: {why}")
             check_vllm_model(actor_engine.cfg)
         self.bucket_mb = bucket_mb
+        self.residency = residency          # rl.residency.Residency: actor param_offload
         self.engine: Engine | VllmRollout | None = None
 
     def _replica(self, rank: int) -> tuple[int, int]:
@@ -98,7 +99,11 @@ class Generator:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generated:
         t0 = time.perf_counter()
+        if self.residency is not None:
+            self.residency.before_gather()
         model = self.hybrid.to_generation(self.actor.model)
+        if self.residency is not None:
+            self.residency.after_gather(model)
         try:
             engine = self._rollout_engine(model)
             replica = self._replica(self.gen_mesh.rank)[0]

@@ -9,11 +9,13 @@
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from hybridengine.config import uses_critic, uses_reference, validate_config
 from hybridengine.engine import TrainEngine
@@ -25,6 +27,7 @@ from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, loa
 from hybridengine.rl.generation import Generator
 from hybridengine.rl.guards import Phases, SaveError, count_skipped_updates, inject_faults
 from hybridengine.rl.metrics import batch_metrics, step_flops
+from hybridengine.rl.residency import Residency, offload_parts
 from hybridengine.rl.rewards import load_custom_reward
 from hybridengine.rl.flops import peak_flops
 from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
@@ -110,17 +113,24 @@ class Trainer:
                 sequence_parallel=lay.critic.sequence_parallel,
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
+        offload = {"actor": (actor_engine, offload_parts(a_meg, True))}
+        if self.ref is not None:
+            offload["ref"] = (self.ref.engine, offload_parts(arr.ref.megatron, False))
+        if self.critic is not None:
+            offload["critic"] = (self.critic.engine, offload_parts(cfg.critic.megatron, True))
+        self.residency = Residency(offload)
         r, h = arr.rollout, cfg.trainer.hybrid_engine
         self.generator = Generator(actor_engine, r.tensor_model_parallel_size, r,
                                    h.reshard_mode, h.reshard_bucket_mb,
                                    _dtype(r.dtype, self.device),
-                                   cfg.data.max_prompt_length + cfg.data.max_response_length)
+                                   cfg.data.max_prompt_length + cfg.data.max_response_length,
+                                   residency=self.residency)
 
     # --- one step -----------------------------------------------------------------------------
     def train_step(self, step: int, indices: list[int], next_batch) -> dict:
         """One RL step on the prompts `indices` (next_batch() supplies more for DAPO)."""
         timings = {}
-        sync, phase = self.device.type == "cuda", self.phases.enter
+        sync, phase = self.device.type == "cuda", self._phase
         with timer("step", timings, sync):
             with phase("rollout"):
                 batch, gen_metrics = self.collector.collect(indices, next_batch, step,
@@ -132,7 +142,8 @@ class Trainer:
                           f"nothing to train on, update skipped", flush=True)
                 batch, gen_metrics["response_length/mean"] = None, 0.0
             if batch is None:              # DAPO: no informative group within the budget
-                return {**gen_metrics, **self.generator.pop_metrics()}
+                return {**gen_metrics, **self.generator.pop_metrics(),
+                        **self.residency.pop_metrics()}
             self._score(batch, timings, sync)
             with phase("adv", timings, sync):
                 kl_metrics = self._advantages(batch)
@@ -144,7 +155,8 @@ class Trainer:
                 out.update(self.actor.update(batch, self._n, step))
             out["training/nan_skipped_updates"] = self._skipped_updates(out, len(batch), step)
             self._finish_schedules()
-        out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics())
+        out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics(),
+                   **self.residency.pop_metrics())
         out.update({f"timing_s/{k}": v for k, v in timings.items()})
         out.update(batch_metrics(batch, self.critic is not None))
         out.update(self._perf(batch, timings))
@@ -154,8 +166,18 @@ class Trainer:
     def _n(self) -> int:
         return self.cfg.actor_rollout_ref.rollout.n
 
+    @contextlib.contextmanager
+    def _phase(self, name: str, timings: dict | None = None, sync: bool = False):
+        """Phase `name` (guards.Phases: named in failures, timed when `timings`), with each
+        role's offloaded parts moved where the phase needs them first (rl.residency); a
+        profiler range of that name (tools/profiling.py)."""
+        with self.phases.enter(name):
+            self.residency.enter(name)
+        with self.phases.enter(name, timings, sync), record_function(name):
+            yield
+
     def _score(self, batch: Batch, timings, sync):
-        phase = self.phases.enter
+        phase = self._phase
         with phase("old_log_prob", timings, sync):
             batch.tensors["old_logprob"] = self.actor.score(batch, "logprob")
         if self.ref is not None:
@@ -227,6 +249,7 @@ class Trainer:
     def save(self, step: int) -> Path:
         """Checkpoint `step`; on a write error (disk full) the previous checkpoint stays the
         latest, intact, and SaveError says so in one line."""
+        self.residency.enter("save")
         try:
             return self._save(step)
         except OSError as e:
@@ -261,6 +284,7 @@ class Trainer:
                 return 0
             path = self.root
         tensors, meta = ckpt.load_checkpoint(path, self.rank)
+        self.residency.enter("resume")
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
                 pre = f"{name}/"
@@ -276,7 +300,7 @@ class Trainer:
 
     # --- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict:
-        t, phase = self.cfg.trainer, self.phases.enter
+        t, phase = self.cfg.trainer, self._phase
         with phase("resume"):
             start = self.resume()
         tracker = Tracker(t.logger, self.root, t.project_name, t.experiment_name, self.rank,

@@ -19,6 +19,7 @@ them to the host once per generate call.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0, group_size
@@ -259,7 +260,7 @@ class ModelRunner:
         self.keys[slots] = self._h2d([s.key for s in seqs])
         self.max_gen[slots] = self._h2d([s.max_gen for s in seqs])
         self.active[slots] = True
-        with torch.no_grad():
+        with torch.no_grad(), record_function("prefill"):
             h = self.model(packed, attn_ctx=ctx)                               # [T, H]
             h = h.index_select(0, self._h2d(plan["last"]))                     # [prompts, H]
             h = h.index_select(0, self._h2d(plan["row_prompt"]))               # [seqs, H]
@@ -269,7 +270,7 @@ class ModelRunner:
     def decode(self, slots: list[int], max_k: int) -> Pending:
         """One token for each running slot (sorted). max_k bounds the keys read (eager only)."""
         B = len(slots)
-        with torch.no_grad():
+        with torch.no_grad(), record_function("decode"):
             if self.static_shapes:
                 bucket = next(b for b in self.buckets if b >= B)
                 graph = self._graph(bucket) if self.use_graphs else None

@@ -1,0 +1,54 @@
+"""tools/profiling.py charges work to the innermost named range; bench_ppo --profile reports
+every phase of a real step."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from profiling import category, kernel_table  # noqa: E402
+
+
+def test_work_goes_to_the_innermost_named_range(one_thread):
+    x = torch.randn(128, 128)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("update"):
+            for _ in range(3):
+                x @ x
+            with record_function("decode"):
+                torch.cat([x, x])
+        x + 1
+    table = kernel_table(prof, ["update", "decode"])
+    assert {"update", "decode", "other"} <= table.keys()
+    update = {name: count for name, count, _ in table["update"]["top"]}
+    assert update["aten::mm"] == 3 and "aten::cat" not in update
+    assert table["update"]["by_category_ms"]["gemm"] > 0
+    assert [n for n, _, _ in table["decode"]["top"]][0] == "aten::cat"
+    assert "aten::add" in [n for n, _, _ in table["other"]["top"]]
+
+
+def test_kernel_categories():
+    assert category("ncclDevKernel_AllGather_RING_LL") == "comm"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert category("flash_fwd_splitkv_kernel") == "attention"
+    assert category("void at::native::elementwise_kernel<copy>") == "copy"
+    assert category("triton_poi_fused_silu_mul_0") == "other"
+
+
+def test_bench_ppo_profiles_every_phase_with_offload():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_ppo.py"), "--tiny", "--steps", "1",
+         "--warmup", "0", "--profile", "--offload", "grads,optimizer",
+         "--set", "data.max_response_length=8"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", HYBRIDENGINE_NO_PROGRESS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert {"decode", "prefill", "old_log_prob", "ref", "update_actor"} <= out["profile"].keys()
+    assert out["profile"]["update_actor"]["by_category_ms"]["gemm"] > 0
+    assert out["mean"]["timing_s/offload"] > 0 and out["offload"] == "grads,optimizer"
