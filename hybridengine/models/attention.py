@@ -87,7 +87,9 @@ def repad(x: torch.Tensor, idx: torch.Tensor, batch: int, seqlen: int) -> torch.
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for the rotate-half RoPE of Llama/Qwen2 (inv_freq = θ^(-2i/d))."""
+    """cos/sin tables for the rotate-half RoPE of Llama/Qwen2 (inv_freq = θ^(-2i/d)). The sin
+    table carries rotate-half's sign (first half negated), so that apply_rope needs no negation
+    kernel: the tables are built once per forward, the rotation runs twice per layer."""
 
     def __init__(self, head_dim: int, theta: float, device=None):
         super().__init__()
@@ -98,14 +100,16 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq        # [T, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)                           # [T, d]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = freqs.sin()
+        return emb.cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, h, d]; cos/sin [T, d]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, h, d] (any strides); cos, signed_sin [T, d] from RotaryEmbedding. Equals HF's
+    x·cos + rotate_half(x)·sin bit for bit: rotate_half(x) = [−x₂, x₁], and −x₂·s = x₂·(−s)."""
     half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + swapped * signed_sin.unsqueeze(1)
 
 
 class PackedCausalAttention:

@@ -99,13 +99,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx):
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
-        q_sz, kv_sz = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_sz, kv_sz, kv_sz], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
+        # q and k rotated together: one set of RoPE kernels per layer instead of two
+        qk = apply_rope(qk.view(-1, hq + hkv, d), cos, sin)              # [T, hq + hkv, d]
+        q, k, v = qk[:, :hq], qk[:, hq:], v.view(-1, hkv, d)
         o = ctx.attend(self.layer_idx, q, k, v)                           # [T, h_q, d]
-        return self.o_proj(o.reshape(o.shape[0], q_sz))
+        return self.o_proj(o.reshape(o.shape[0], hq * d))
 
 
 class MLP(nn.Module):
