@@ -125,12 +125,17 @@ def _case(layout, gen_tp, path, cfg, ref_tokens, counter):
             assert abs(max(everyone) - formula) <= 0.01 * formula + 1, (tag, max(everyone), formula)
         else:
             assert formula < max(everyone) < 1.15 * formula, tag
-        if mode == "zero_redundancy" and gen_tp == layout.tp and layout.pp == 1:
+        zero_copy = mode == "zero_redundancy" and gen_tp == layout.tp and layout.pp == 1
+        if zero_copy:
             assert counter.bytes == 0 and rep.num_collectives == 0
             shared = {p.data_ptr() for p in train.parameters()}
             assert all(p.data_ptr() in shared for p in gen.parameters()), "not zero-copy"
+        train_ptrs = {p.data_ptr() for p in train.parameters()}
+        all_shared = all(p.data_ptr() in train_ptrs for p in gen.parameters())
+        assert all_shared or not zero_copy, tag
         engine.to_training()
-        assert all(p.is_meta for p in gen.parameters())
+        # Released (freed) unless they are all training parameters: nothing to free then.
+        assert all(p.is_meta != all_shared for p in gen.parameters()), tag
         metrics = engine.pop_metrics()
         assert metrics["reshard/bytes_per_rank"] == rep.max_bytes_received
         assert metrics["reshard/collectives"] == rep.num_collectives

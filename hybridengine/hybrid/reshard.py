@@ -19,7 +19,8 @@ is the same object at every switch; its weights are valid until to_training(), w
 them at empty meta tensors and frees the arena (anything holding device pointers into them,
 e.g. a captured CUDA graph, must be rebuilt after the next to_generation), unless
 keep_weights=True: then the arena and buckets stay allocated and every switch refills them at
-the same addresses.
+the same addresses. A zero-copy generation model (t_g = t, p = 1: training parameters only)
+frees nothing by releasing, so it keeps its weights either way.
 
 Optional hooks: `offload()` runs first in to_generation (e.g. move optimizer state and gradients
 to CPU, making room for buckets and KV cache; it must leave the training parameters in place, as
@@ -151,7 +152,7 @@ class HybridEngine:
             raise RuntimeError("to_training() called without a preceding to_generation()")
         device = next(self.model.parameters()).device
         t0, peak0 = _start(device)
-        if not self.keep_weights:
+        if not self.keep_weights and _holds_memory(self._store):
             release_weights(self.model)
             self._store = _Store()
         self._active = False
@@ -171,6 +172,15 @@ class HybridEngine:
                            peak_memory_gb(device), offload_s)
         self.reports.append(rep)
         return rep
+
+
+def _holds_memory(store: _Store) -> bool:
+    """Whether releasing the generation weights frees anything: not when every one of them is a
+    training parameter (t_g = t, p = 1), where keeping them saves re-pointing every parameter
+    at the next switch."""
+    prog = store.program
+    return prog is None or bool(prog.arena_numel or prog.gen_arena_numel
+                                or prog.plan.chunk_numels)
 
 
 class _Stats:
