@@ -219,22 +219,28 @@ def test_continuous_batching_equals_one_by_one(tmp_path):
         assert max(abs(a - b) for a, b in zip(r.logprobs, alone.logprobs)) < 1e-5
 
 
-def _varlen_seqused_reference(q, k, v, cu_q, cu_k, seqused, max_k):
-    """Flash varlen semantics with seqused_k: row i attends to k[cu_k[i] : cu_k[i] + used[i]]."""
+def _varlen_seqused_reference(q, k, v, cu_q, cu_k, seqused, max_q, max_k):
+    """Flash varlen semantics, non-causal, with seqused_k: the query rows
+    q[cu_q[i] : cu_q[i+1]] of sequence i attend to k[cu_k[i] : cu_k[i] + used[i]]; query head h
+    uses K/V head h // (h_q / h_kv)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
-    for i in range(q.shape[0]):
+    for i in range(len(seqused)):
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        assert rows.stop - rows.start <= max_q
         s, n = int(cu_k[i]), int(seqused[i])
         ks = k[s:s + n].repeat_interleave(group, 1)                     # [n, h_q, d]
         vs = v[s:s + n].repeat_interleave(group, 1)
-        w = torch.einsum("hd,nhd->hn", q[i], ks) / q.shape[-1] ** 0.5
-        out[i] = torch.einsum("hn,nhd->hd", w.softmax(-1), vs)
+        w = torch.einsum("qhd,nhd->qhn", q[rows], ks) / q.shape[-1] ** 0.5
+        out[rows] = torch.einsum("qhn,nhd->qhd", w.softmax(-1), vs)
     return out
 
 
-def test_flash_decode_arguments_match_sdpa(monkeypatch):
-    """The flash backend's cu_seqlens_k / seqused_k address the right cache tokens (kernel
-    replaced by a reference of its documented semantics; the kernel itself needs CUDA)."""
+@pytest.mark.parametrize("backend", ["flash", "flash_per_head"])
+def test_flash_decode_arguments_match_sdpa(monkeypatch, backend):
+    """The flash backends' cu_seqlens / seqused_k address the right cache tokens, and `flash`
+    maps each K/V head's query heads to query rows and back (kernel replaced by a reference of
+    its documented semantics; the kernel itself needs CUDA)."""
     from hybridengine.rollout import attention
     from hybridengine.rollout.kv_cache import KVCache
     monkeypatch.setattr(attention, "_FLASH_DECODE", _varlen_seqused_reference)
@@ -243,10 +249,10 @@ def test_flash_decode_arguments_match_sdpa(monkeypatch):
     for t in cache.k + cache.v:
         t.copy_(torch.randn(t.shape, generator=g))
     slots, pos = torch.tensor([0, 2, 3, 5, 5]), torch.tensor([9, 0, 15, 0, 0])
-    q, k = torch.randn(5, 4, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    q, k = torch.randn(5, 6, 8, generator=g), torch.randn(5, 2, 8, generator=g)   # G = 3
     tail, cu_q = torch.tensor([6 * 16]), torch.arange(6, dtype=torch.int32)
-    outs = [attention.DecodeContext(cache, 1, slots, pos, backend, 16, cu_q, tail)
-            .attend(1, q, k, k) for backend in ("flash", "sdpa")]
+    outs = [attention.DecodeContext(cache, 1, slots, pos, name, 16, cu_q, tail)
+            .attend(1, q, k, k) for name in (backend, "sdpa")]
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     assert torch.equal(cache.k[0][3, 15], k[2]) and torch.equal(cache.k[0][0, 9], k[0])
 

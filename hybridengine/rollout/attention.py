@@ -6,13 +6,19 @@ over the fresh packed K/V (no cached prefix exists), through the core PackedCaus
 (CUDA: flash varlen; CPU: per-sequence SDPA).
 
 DecodeContext: one new token per row; K/V written at (slot, position), then attention over the
-row's cached prefix, by one of two backends:
+row's cached prefix, by one of three backends:
   flash  flash-attention varlen with seqused_k over the flat cache: cu_seqlens_k[i] =
          slot_i·max_model_len (rows sorted by slot, so increasing), seqused_k = length. It reads
-         only the used tokens; GQA natively. Through torch.nn.attention.varlen.varlen_attn when
-         it takes seqused_k and enable_gqa (torch 2.13), else the aten flash op it wraps, whose
-         schema has had seqused_k longer (torch 2.11); checked once against SDPA on the device
-         before use (a mismatch or an error falls back to sdpa with a warning).
+         only the used tokens. The G = h_q/h_kv query heads that share a K/V head enter as G
+         query rows of one sequence with h_kv heads (flash-attention's "seqlen_q/ngroups swap",
+         non-causal: every row sees the whole prefix): one tile reads each K/V head once and
+         computes G rows, where per-head decode reads it G times for one useful row of a
+         64-row tile. Through torch.nn.attention.varlen.varlen_attn when it takes seqused_k
+         (torch 2.13), else the aten flash op it wraps, whose schema has had seqused_k longer
+         (torch 2.11); checked once against SDPA on the device before use (a mismatch or an
+         error falls back to sdpa with a warning).
+  flash_per_head  the same kernel with one query row per sequence and GQA inside the kernel
+         (the comparison point for `flash`).
   sdpa   the rows' cache gathered to [B, h_kv, L, d] and a length mask; q grouped as
          [B, h_kv, h_q/h_kv, d] so that no K/V head is repeated. The CPU path; a CUDA fallback.
 Shapes are static given (rows, max_k), so a decode step can be captured in a CUDA graph.
@@ -30,17 +36,19 @@ from hybridengine.rollout.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flash", "sdpa")
+BACKENDS = ("auto", "flash", "flash_per_head", "sdpa")
+_FLASH = ("flash", "flash_per_head")
 
 
 def _find_flash_decode():
-    """A callable (q, k, v, cu_q, cu_k, seqused_k, max_k) -> out, or None on this torch."""
+    """A callable (q, k, v, cu_q, cu_k, seqused_k, max_q, max_k) -> out (non-causal), or None
+    on this torch."""
     try:
         from torch.nn.attention.varlen import varlen_attn
         params = inspect.signature(varlen_attn).parameters
         if "seqused_k" in params and "enable_gqa" in params:
-            def public(q, k, v, cu_q, cu_k, seqused, max_k):
-                return varlen_attn(q, k, v, cu_q, cu_k, 1, max_k, seqused_k=seqused,
+            def public(q, k, v, cu_q, cu_k, seqused, max_q, max_k):
+                return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=seqused,
                                    enable_gqa=True)
             return public
     except ImportError:
@@ -49,9 +57,9 @@ def _find_flash_decode():
     if op is None or "seqused_k" not in [a.name for a in op.default._schema.arguments]:
         return None
 
-    def aten(q, k, v, cu_q, cu_k, seqused, max_k):
-        # dropout 0, not causal (one query per row sees its whole prefix); GQA is native
-        return op(q, k, v, cu_q, cu_k, 1, max_k, 0.0, False, False, seqused_k=seqused)[0]
+    def aten(q, k, v, cu_q, cu_k, seqused, max_q, max_k):
+        # dropout 0, not causal (a decode query sees its whole prefix); GQA is native
+        return op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, seqused_k=seqused)[0]
     return aten
 
 
@@ -63,15 +71,16 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
         raise ValueError(f"attn_backend={requested!r} is not one of {', '.join(BACKENDS)}")
     usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
               and _FLASH_DECODE is not None)
-    if requested == "flash" and not usable:
-        raise ValueError(f"attn_backend='flash' needs CUDA, fp16/bf16 and a torch whose flash "
-                         f"varlen kernel takes seqused_k (device={device}, dtype={dtype}, "
+    if requested in _FLASH and not usable:
+        raise ValueError(f"attn_backend={requested!r} needs CUDA, fp16/bf16 and a torch whose "
+                         f"flash varlen kernel takes seqused_k (device={device}, dtype={dtype}, "
                          f"torch {torch.__version__})")
     if requested == "sdpa" or not usable:
         return "sdpa"
-    if requested == "auto" and not _flash_decode_agrees(device, dtype):
+    backend = "flash" if requested == "auto" else requested
+    if requested == "auto" and not _flash_decode_agrees(device, dtype, backend):
         return "sdpa"
-    return "flash"
+    return backend
 
 
 class DecodeContext:
@@ -89,8 +98,8 @@ class DecodeContext:
         # harmless write into its own row.
         self.write_pos = positions.clamp(max=L - 1)                           # [B]
         seqlens = (positions + 1).clamp(max=L)                                 # [B]
-        if backend == "flash":
-            self.cu_q = cu_q
+        if backend in _FLASH:
+            self.cu_q = cu_q                                                   # [B + 1]: 0..B
             self.cu_k = torch.cat([slots * L, cu_k_tail]).to(torch.int32)     # [B + 1]
             self.seqused = seqlens.to(torch.int32)
         else:
@@ -101,12 +110,27 @@ class DecodeContext:
         """q [B, h_q, d], k/v [B, h_kv, d] -> [B, h_q, d]."""
         layer = layer_idx - self.layer_start
         self.cache.write(layer, self.slots, self.write_pos, k, v)
-        if self.backend == "flash":
+        if self.backend in _FLASH:
             kf, vf = self.cache.flat(layer)
-            return _FLASH_DECODE(q, kf, vf, self.cu_q, self.cu_k, self.seqused,
-                                 self.cache.max_model_len)
+            L = self.cache.max_model_len
+            group = q.shape[1] // k.shape[1]
+            if self.backend == "flash_per_head" or group == 1:
+                return _FLASH_DECODE(q, kf, vf, self.cu_q, self.cu_k, self.seqused, 1, L)
+            return grouped_flash_decode(q, kf, vf, self.cu_q, self.cu_k, self.seqused, L)
         kc, vc = self.cache.gather_slots(layer, self.slots, self.max_k)     # [B, h_kv, L, d]
         return grouped_sdpa(q, kc, vc, self.mask)
+
+
+def grouped_flash_decode(q, kf, vf, cu_q, cu_k, seqused, max_k) -> torch.Tensor:
+    """q [B, h_q, d] -> [B, h_q, d]: row b's query heads j·G … j·G+G−1 (those of K/V head j)
+    become query rows b·G … b·G+G−1, head j, of a varlen call with h_kv heads on both sides;
+    cu_q (0..B) scales by G."""
+    B, hq, d = q.shape
+    hkv = kf.shape[1]
+    group = hq // hkv
+    rows = q.view(B, hkv, group, d).transpose(1, 2).reshape(B * group, hkv, d)
+    out = _FLASH_DECODE(rows, kf, vf, cu_q * group, cu_k, seqused, group, max_k)
+    return out.view(B, group, hkv, d).transpose(1, 2).reshape(B, hq, d)
 
 
 def grouped_sdpa(q, k, v, mask) -> torch.Tensor:
@@ -137,7 +161,7 @@ class PrefillContext:
         return self.inner.attend(layer_idx, q, k, v)
 
 
-def _flash_decode_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+def _flash_decode_agrees(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
     """Run the flash decode path once on a small cache and compare with grouped SDPA: a torch
     whose kernel rejects the argument pattern (or computes it differently) falls back."""
     try:
@@ -152,13 +176,13 @@ def _flash_decode_agrees(device: torch.device, dtype: torch.dtype) -> bool:
         cu_q = torch.arange(4, dtype=torch.int32, device=device)
         tail = torch.tensor([(cache.num_slots + 1) * 64], device=device)
         outs = {}
-        for backend in ("flash", "sdpa"):
-            ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail)
-            outs[backend] = ctx.attend(0, q, k_new, k_new).float()
-        err = (outs["flash"] - outs["sdpa"]).abs().max().item()
+        for name in (backend, "sdpa"):
+            ctx = DecodeContext(cache, 0, slots, pos, name, 64, cu_q, tail)
+            outs[name] = ctx.attend(0, q, k_new, k_new).float()
+        err = (outs[backend] - outs["sdpa"]).abs().max().item()
         if err < 2e-2:
             return True
-        logger.warning("flash decode attention differs from SDPA by %.3g; using SDPA", err)
+        logger.warning("%s decode attention differs from SDPA by %.3g; using SDPA", backend, err)
     except (RuntimeError, TypeError, ValueError) as e:
         logger.warning("flash decode attention unavailable (%s); using SDPA",
                        str(e).splitlines()[0])

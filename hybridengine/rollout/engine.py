@@ -83,7 +83,8 @@ class Engine:
 
     KV budget: kv_cache_tokens (a token count), else on CUDA gpu_memory_utilization (share of
     device memory for everything this process holds while generating), else max_num_seqs rows.
-    enforce_eager=False captures decode graphs on CUDA. attn_backend: auto | flash | sdpa.
+    enforce_eager=False captures decode graphs on CUDA. attn_backend: auto | flash |
+    flash_per_head | sdpa (rollout.attention).
     compile=True runs the decode step through torch.compile (inductor) before capture.
     """
 
