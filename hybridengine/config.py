@@ -40,7 +40,8 @@ SPECS: dict[str, tuple[str, bool]] = {
     "data.val_files": ("files", True),
     **dict.fromkeys(("actor_rollout_ref.model.path", "critic.model.path", "custom_reward_function.path",
                      "trainer.resume_from_path"), ("str", True)),
-    **dict.fromkeys((_A + "optim.min_lr_ratio", "critic.optim.min_lr_ratio"), ("float", True)),
+    **dict.fromkeys((_A + "optim.min_lr_ratio", "critic.optim.min_lr_ratio",
+                     "trainer.hybrid_engine.reshard_direct_min_mb"), ("float", True)),
     **dict.fromkeys(("data.val_batch_size", _A + "ppo_micro_batch_size_per_gpu",
                      _R + "log_prob_micro_batch_size_per_gpu", _F + "log_prob_micro_batch_size_per_gpu",
                      "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
@@ -378,7 +379,7 @@ RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
         "trainer.total_training_steps", "trainer.nnodes", "trainer.n_gpus_per_node",
         "trainer.collective_timeout_s", "trainer.hybrid_engine.reshard_bucket_mb")),
     ("must be >= 0", lambda v: v >= 0, (
-        _A + "entropy_coeff", _A + "kl_loss_coef", _A + "grad_clip", _A + "optim.lr",
+        "trainer.hybrid_engine.reshard_direct_min_mb", _A + "entropy_coeff", _A + "kl_loss_coef", _A + "grad_clip", _A + "optim.lr",
         _A + "optim.weight_decay", "critic.grad_clip", "critic.optim.lr", "critic.optim.weight_decay",
         _R + "temperature", _R + "val_kwargs.temperature", "algorithm.kl_ctrl.kl_coef",
         "algorithm.filter_groups.max_num_gen_batches", "reward_model.overlong_buffer.penalty_factor")),

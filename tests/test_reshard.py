@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_utils import run_dist
-from hybridengine.hybrid.plan import MODES
 from hybridengine.hybrid.reshard import HybridEngine
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder
@@ -34,6 +33,10 @@ STEP_CASES = {((2, 1, 2), 2), ((4, 1, 1), 2)}
 PROMPT = [1, 5, 9, 42, 17, 3]
 NUM_NEW = 6
 BUCKET_MB = 0.05          # ~13k fp32 elements: several buckets and split tensors
+# (mode, direct_min_mb, rollout dtype): flat buckets only; direct buckets wherever a section
+# allows (these toy sections are a few hundred bytes); direct with a cast (fp32 -> fp64, exact).
+VARIANTS = [("zero_redundancy", None, None), ("zero_redundancy", 1e-6, None),
+            ("zero_redundancy", 1e-6, torch.float64), ("naive", None, None)]
 
 
 def _greedy(model, prompt, num_new):
@@ -73,7 +76,7 @@ def _check_gen_params(gen, ref, full, layout, gm, tag):
             want = padded[gm.gen_tp_rank * rows:(gm.gen_tp_rank + 1) * rows]
         else:
             want = ref_params[name].detach()
-        assert torch.equal(p, want), f"{tag} {name}"
+        assert torch.equal(p, want.to(p.dtype)), f"{tag} {name}"
 
 
 def _train_step(model, mesh, opt, seed):
@@ -102,16 +105,21 @@ def _case(layout, gen_tp, path, cfg, ref_tokens, counter):
                                            pp=1, pp_rank=0))
     full = _load(path, cfg, SimpleNamespace(tp_group=None, tp_rank=0, pp=1, pp_rank=0))
     before = {n: p.detach().clone() for n, p in train.named_parameters()}
-    n, elsize = layout.tp * layout.pp, 4
-    for mode in MODES:
-        tag = f"{layout} t_g={gen_tp} {mode}"
-        engine = HybridEngine(cfg, mesh, gm, mode=mode, bucket_mb=BUCKET_MB)
+    n = layout.tp * layout.pp
+    for mode, direct_mb, dtype in VARIANTS:
+        tag = f"{layout} t_g={gen_tp} {mode} direct_min_mb={direct_mb} {dtype}"
+        engine = HybridEngine(cfg, mesh, gm, mode=mode, bucket_mb=BUCKET_MB,
+                              direct_min_mb=direct_mb, dtype=dtype)
         counter.bytes = counter.calls = 0
         gen = engine.to_generation(train)
         rep = engine.reports[-1]
         _check_gen_params(gen, ref, full, layout, gm, tag)
-        assert _greedy(gen, PROMPT, NUM_NEW) == ref_tokens, tag
-        plan, _ = engine.plan(torch.float32)
+        if dtype is None:
+            assert _greedy(gen, PROMPT, NUM_NEW) == ref_tokens, tag
+        plan, _ = engine.plan(dtype or torch.float32)
+        elsize = 8 if dtype == torch.float64 else 4
+        if direct_mb is not None and layout.pp == 1 and gen_tp < layout.tp:
+            assert any(plan.direct), f"{tag}: no direct bucket"
         assert counter.bytes == rep.bytes_received == plan.received_numel * elsize, tag
         assert counter.calls == rep.num_collectives == plan.num_collectives, tag
         everyone = [None] * dist.get_world_size()
@@ -125,7 +133,8 @@ def _case(layout, gen_tp, path, cfg, ref_tokens, counter):
             assert abs(max(everyone) - formula) <= 0.01 * formula + 1, (tag, max(everyone), formula)
         else:
             assert formula < max(everyone) < 1.15 * formula, tag
-        zero_copy = mode == "zero_redundancy" and gen_tp == layout.tp and layout.pp == 1
+        zero_copy = mode == "zero_redundancy" and dtype is None and gen_tp == layout.tp \
+            and layout.pp == 1
         if zero_copy:
             assert counter.bytes == 0 and rep.num_collectives == 0
             shared = {p.data_ptr() for p in train.parameters()}

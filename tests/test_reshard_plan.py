@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridengine.hybrid.plan import MODES, plan_for_rank, plan_reshard
+from hybridengine.hybrid.plan import plan_for_rank, plan_reshard
 from hybridengine.models.decoder import Decoder, ModelConfig, stage_layers
 from hybridengine.models.hf import param_plan
 from hybridengine.parallel.mesh import GenLayout, Layout
@@ -140,14 +140,16 @@ def _naive_slice(plan, full):
 
 
 @pytest.mark.parametrize("tied,vocab", [(True, 97), (False, 97), (False, 96)])
-@pytest.mark.parametrize("mode", MODES)
-def test_simulated_plan_builds_every_generation_shard(tied, vocab, mode):
+@pytest.mark.parametrize("mode,direct", [("zero_redundancy", None), ("zero_redundancy", 20),
+                                         ("naive", None)])
+def test_simulated_plan_builds_every_generation_shard(tied, vocab, mode, direct):
     cfg = _cfg(tied, vocab)
     hf = _hf_tensors(cfg)
     for (t, p, d), gen_tp in LAYOUTS:
         layout = Layout(t, p, d)
         for j in range(gen_tp):
-            plan = plan_reshard(cfg, layout, gen_tp, j, mode=mode, max_bucket_numel=700)
+            plan = plan_reshard(cfg, layout, gen_tp, j, mode=mode, max_bucket_numel=700,
+                                direct_min_numel=direct)
             expected = _expected_gen(hf, cfg, layout, gen_tp, j)
             for i, got in enumerate(_simulate(plan, hf, cfg)):
                 assert set(got) == set(expected)
@@ -155,11 +157,38 @@ def test_simulated_plan_builds_every_generation_shard(tied, vocab, mode):
                     assert torch.equal(got[name], ref), f"{layout} t_g={gen_tp} j={j} {i} {name}"
             if mode == "zero_redundancy":       # naive: one bucket per tensor, whatever its size
                 cap = max(700 // plan.num_members, cfg.intermediate_size)
-                assert all(n <= cap for n in plan.chunk_numels), (plan.chunk_numels, cap)
+                flat = [n for b, n in enumerate(plan.chunk_numels) if not plan.is_direct(b)]
+                assert all(n <= cap for n in flat), (plan.chunk_numels, cap)
+            _check_direct_buckets(plan, direct)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_bytes_follow_hybridflow_formula(mode):
+def _check_direct_buckets(plan, direct):
+    """A direct bucket: one whole-row block per member, equal sizes, filling consecutive rows
+    of one target in member order; there is one whenever p = 1 and t_g < t."""
+    if direct is None:
+        assert not any(plan.direct)
+        return
+    layout = plan.layout
+    if layout.pp == 1 and plan.gen_tp < layout.tp:
+        assert any(plan.direct), (layout, plan.gen_tp)
+    for b, n in enumerate(plan.chunk_numels):
+        if not plan.is_direct(b):
+            continue
+        blocks = sorted((t.member, t.block, t.offset) for t in plan.transfers if t.bucket == b)
+        assert [m for m, _, _ in blocks] == list(range(plan.num_members))
+        first = blocks[0][1]
+        assert n == first.numel >= direct
+        for m, blk, off in blocks:
+            assert off == 0 and blk.dst == first.dst and blk.src_col == blk.dst_col == 0
+            assert (blk.rows, blk.cols) == (first.rows, first.cols)
+            assert blk.dst_row == first.dst_row + m * first.rows
+            shape = plan.members[m].params[blk.src]
+            assert blk.cols == (shape[1] if len(shape) == 2 else 1)     # whole rows
+
+
+@pytest.mark.parametrize("mode,direct", [("zero_redundancy", None), ("zero_redundancy", 20),
+                                         ("naive", None)])
+def test_bytes_follow_hybridflow_formula(mode, direct):
     """(t·p − t_g)/(t_g·t·p)·M per rank (naive: (N−1)/N·M over the t·p model-parallel ranks)
     when the members hold equal shares, up to chunk-end rounding (3% at these toy sizes);
     always the busiest member's load plus that rounding."""
@@ -170,7 +199,8 @@ def test_bytes_follow_hybridflow_formula(mode):
         m, n = cfg.num_params() - norms, t * p
         formula = (n - 1) / n * m if mode == "naive" else (n - gen_tp) / (gen_tp * n) * m
         for j in range(gen_tp):
-            plan = plan_reshard(cfg, Layout(t, p, d), gen_tp, j, mode=mode, max_bucket_numel=900)
+            plan = plan_reshard(cfg, Layout(t, p, d), gen_tp, j, mode=mode, max_bucket_numel=900,
+                                direct_min_numel=direct)
             got = plan.received_numel
             load = [0] * plan.num_members
             for tr in plan.transfers:

@@ -4,10 +4,11 @@ Random bf16 weights built directly with Decoder (no files), Qwen2.5-0.5B and Qwe
 training layout (t = world size, p = 1, d = 1) -> generation TP t_g (default 1). For each model:
 zero_redundancy (micro-DP all-gather in flat buckets) and naive (per-tensor full-model gathers
 over the model-parallel group, then slicing, like verl / DS-Chat) switches, warm-up then the
-median of several (zero_redundancy also with keep_weights); and one plain all-gather moving the
-same bytes per rank (the bound). `best` indexes the fastest zero_redundancy run. Bus
-bandwidth of an all-gather = bytes each rank receives / seconds. The two modes' generation
-weights are checked equal. JSON to stdout (and --out).
+median of several (zero_redundancy also with keep_weights, and at each --direct-min-mb
+threshold: direct buckets gather straight into the generation weights); and one plain
+all-gather moving the same bytes per rank (the bound). `best` indexes the fastest
+zero_redundancy run. Bus bandwidth of an all-gather = bytes each rank receives / seconds. Every
+variant's generation weights are checked equal (`modes_agree`). JSON to stdout (and --out).
 
     torchrun --nproc_per_node=2 tools/bench_reshard.py [--models 0.5b,7b] [--bucket-mb 256]
     torchrun --nproc_per_node=2 tools/bench_reshard.py --tiny       # CPU / gloo smoke check
@@ -111,24 +112,34 @@ def bench_model(name, cfg, args, mesh, gen_mesh, device):
     result = {"model": name, "layout": list(vars(mesh.layout).values()),
               "gen_tp": args.gen_tp, "model_bytes": cfg.num_params() * 2, "runs": []}
     # zero_redundancy at every bucket size, then with kept weights (no allocation, bound
-    # copies: the steady state of a trainer that keeps them), then the naive baseline.
-    variants = [("zero_redundancy", mb, False) for mb in args.bucket_mb] + \
-        [("zero_redundancy", args.bucket_mb[0], True), ("naive", args.bucket_mb[0], False)]
-    snapshots = {}
-    for mode, bucket_mb, keep in variants:
+    # copies: the steady state of a trainer that keeps them), then at the other direct-bucket
+    # thresholds (kept weights), then the naive baseline.
+    mb0, d0 = args.bucket_mb[0], args.direct_min_mb[0]
+    variants = [("zero_redundancy", mb, False, d0) for mb in args.bucket_mb] + \
+        [("zero_redundancy", mb0, True, d) for d in args.direct_min_mb] + \
+        [("naive", mb0, False, None)]
+    reference, agree = None, True           # every variant's weights equal the first one's
+    for mode, bucket_mb, keep, direct_mb in variants:
         engine = HybridEngine(cfg, mesh, gen_mesh, mode=mode, bucket_mb=bucket_mb,
-                              keep_weights=keep)
-        stats, snapshots[mode] = bench_switch(engine, train, args.warmup, args.iters)
-        stats.update(mode=mode, bucket_mb=bucket_mb, keep_weights=keep)
+                              keep_weights=keep, direct_min_mb=direct_mb)
+        stats, snapshot = bench_switch(engine, train, args.warmup, args.iters)
+        if reference is None:
+            reference = snapshot
+        else:
+            agree = agree and snapshot.keys() == reference.keys() and all(
+                torch.equal(snapshot[k], reference[k]) for k in snapshot)
+        del snapshot
+        plan, _ = engine.plan(torch.bfloat16)
+        stats.update(mode=mode, bucket_mb=bucket_mb, keep_weights=keep, direct_min_mb=direct_mb,
+                     direct_buckets=sum(plan.direct))
         if args.profile:
             stats["profile"] = profile_switch(engine, train, device)
         result["runs"].append(stats)
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    a, b = snapshots["zero_redundancy"], snapshots["naive"]
-    result["modes_agree"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    del snapshots, a, b
+    result["modes_agree"] = agree
+    del reference
     ours = [r for r in result["runs"] if r["mode"] == "zero_redundancy"]
     best = min(ours, key=lambda r: r["seconds"])
     bound = bench_allgather(gen_mesh.micro_dp_group, best["bytes_received"], device,
@@ -146,12 +157,16 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny model, 1 warm-up, 2 iterations")
     ap.add_argument("--gen-tp", type=int, default=1)
     ap.add_argument("--bucket-mb", default="256", help="comma list: zero_redundancy sweeps them")
+    ap.add_argument("--direct-min-mb", default="4,none",
+                    help="comma list of direct-bucket thresholds (MB per member; none: off)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--profile", action="store_true", help="kernel table of one more switch")
     args = ap.parse_args()
     args.bucket_mb = [float(x) for x in args.bucket_mb.split(",")]
+    args.direct_min_mb = [None if x.strip().lower() == "none" else float(x)
+                          for x in args.direct_min_mb.split(",")]
     models = ["tiny"] if args.tiny else args.models.split(",")
     if args.tiny:
         args.warmup, args.iters = 1, 2

@@ -18,7 +18,13 @@ every chunk, and each member builds the same generation shard out of them:
     sharing             a generation parameter whose slices equal one of a member's training
                         parameters is that parameter on that member (zero-copy; always the case
                         when t_g = t and p = 1, where nothing moves at all)
-    bucketing           each member's sends fill flat chunks of `capacity` elements, split by
+    direct buckets      a section of a generation parameter that the members hold as equal,
+                        consecutive runs of whole rows, in member order (q, k, v, gate, up and
+                        the vocabulary rows when p = 1), of at least `direct_min_numel`
+                        elements per member, is a bucket of its own: its all-gather reads each
+                        member's training rows and writes the generation parameter in place,
+                        with no copy on either side (hybrid.program)
+    bucketing           the other sends fill flat chunks of `capacity` elements, split by
                         rows at chunk ends, layers first in training-parameter order (so a
                         member packs long runs of contiguous memory and members' layer blocks
                         sit at equal offsets)
@@ -106,6 +112,10 @@ class ReshardPlan:
     chunk_numels: tuple[int, ...]        # elements of one member's chunk, per bucket
     slices: tuple[Block, ...] = ()
     slice_shared: dict[str, str] | None = None
+    direct: tuple[bool, ...] = ()        # per bucket: a direct bucket (module doc)
+
+    def is_direct(self, bucket: int) -> bool:
+        return bool(self.direct) and self.direct[bucket]
 
     @property
     def num_members(self) -> int:
@@ -310,18 +320,56 @@ def _stream_order(slots: list[Slot]):
     return key
 
 
-def _bucket(sends, members, mode, capacity):
+def _direct_sets(sends, members, min_numel: int) -> list[tuple[Block, ...]]:
+    """Sections every member sends as whole rows of its training tensor, equal in size, filling
+    consecutive rows of one generation tensor in member order: (block of member 0, 1, ...)."""
+    widths = [{s.name: _as_2d(s.shape)[1] for s in slots} for slots in members]
+
+    def whole_rows(i: int, blk: Block) -> bool:
+        return blk.src_col == 0 and blk.dst_col == 0 and blk.cols == widths[i][blk.src]
+
+    by_start = [{(b.dst, b.dst_row): b for b in blocks if whole_rows(i, b)}
+                for i, blocks in enumerate(sends)]
+    sets = []
+    for first in sends[0] if len(sends) > 1 else ():
+        if first.numel < max(min_numel, 1) or not whole_rows(0, first):
+            continue
+        row = [first]
+        for i in range(1, len(sends)):
+            blk = by_start[i].get((first.dst, first.dst_row + i * first.rows))
+            if blk is None or (blk.rows, blk.cols) != (first.rows, first.cols):
+                break
+            row.append(blk)
+        if len(row) == len(sends):
+            sets.append(tuple(row))
+    return sets
+
+
+def _bucket(sends, members, mode, capacity, direct_min_numel):
+    transfers, fills, direct = [], {}, []
+    if mode != "naive" and direct_min_numel is not None:
+        taken = set()
+        for blocks in _direct_sets(sends, members, direct_min_numel):
+            b = len(direct)
+            for i, blk in enumerate(blocks):
+                transfers.append(Transfer(i, blk, b, 0))
+                taken.add((i, blk))
+            fills[b] = blocks[0].numel
+            direct.append(True)
+        sends = [[blk for blk in blocks if (i, blk) not in taken]
+                 for i, blocks in enumerate(sends)]
+    first = len(direct)
     # A row is the smallest unit a chunk holds: never let the capacity fall below one row.
     capacity = max([capacity] + [blk.cols for blocks in sends for blk in blocks])
-    transfers, fills = [], {}
     for i, (blocks, slots) in enumerate(zip(sends, members)):
         stream = sorted(blocks, key=_stream_order(slots))
         placed = _fill_per_tensor(stream) if mode == "naive" else _fill_flat(stream, capacity)
         for blk, b, off in placed:
-            transfers.append(Transfer(i, blk, b, off))
-            fills[b] = max(fills.get(b, 0), off + blk.numel)
+            transfers.append(Transfer(i, blk, first + b, off))
+            fills[first + b] = max(fills.get(first + b, 0), off + blk.numel)
     chunks = tuple(fills.get(b, 0) for b in range(max(fills, default=-1) + 1))
-    return tuple(transfers), chunks
+    direct += [False] * (len(chunks) - len(direct))
+    return tuple(transfers), chunks, tuple(direct) if any(direct) else ()
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -338,10 +386,13 @@ def group_members(layout: Layout, gen_tp: int, gen_tp_rank: int,
 
 
 def plan_reshard(cfg: ModelConfig, layout: Layout, gen_tp: int, gen_tp_rank: int, *,
-                 mode: str = "zero_redundancy", max_bucket_numel: int = 128 << 20) -> ReshardPlan:
+                 mode: str = "zero_redundancy", max_bucket_numel: int = 128 << 20,
+                 direct_min_numel: int | None = None) -> ReshardPlan:
     """Plan the switch of the micro-DP group of generation TP rank `gen_tp_rank` (see module doc).
 
-    max_bucket_numel: elements of one gathered bucket (all members' chunks).
+    max_bucket_numel: elements of one gathered (flat) bucket (all members' chunks).
+    direct_min_numel: sections of at least this many elements per member become direct
+    buckets (any size: no buffer holds them); None: none do.
     """
     if mode not in MODES:
         raise ValueError(f"reshard mode={mode!r} is not one of {MODES}")
@@ -356,7 +407,7 @@ def plan_reshard(cfg: ModelConfig, layout: Layout, gen_tp: int, gen_tp_rank: int
     sends, local = _match(cfg, target, members)
     target_shapes = {s.name: s.shape for s in target}
     capacity = max(1, max_bucket_numel // len(members))
-    transfers, chunks = _bucket(sends, members, mode, capacity)
+    transfers, chunks, direct = _bucket(sends, members, mode, capacity, direct_min_numel)
     slices, slice_shared = (), None
     if mode == "naive":
         _, (own,) = _match(cfg, gen, [target])     # one member holding everything: all local
@@ -364,7 +415,7 @@ def plan_reshard(cfg: ModelConfig, layout: Layout, gen_tp: int, gen_tp_rank: int
     plans = tuple(MemberPlan(pp, tp, {s.name: s.shape for s in slots}, _shared(target, slots, cfg),
                              tuple(loc)) for (pp, tp), slots, loc in zip(coords, members, local))
     return ReshardPlan(mode, layout, gen_tp, gen_tp_rank, {s.name: s.shape for s in gen},
-                       target_shapes, plans, transfers, chunks, slices, slice_shared)
+                       target_shapes, plans, transfers, chunks, slices, slice_shared, direct)
 
 
 def plan_for_rank(cfg: ModelConfig, layout: Layout, gen_tp: int, rank: int, **kw):

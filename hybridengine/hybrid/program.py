@@ -1,6 +1,7 @@
 """One rank's part of a reshard plan, compiled: where each generation weight lives and which
 copies fill it. Still no communication and no memory: hybrid.reshard allocates the arena and
-the buckets and binds these copies to them.
+the buckets and binds these copies to them. A direct bucket (hybrid.plan) has no copies: its
+all-gather reads this member's training rows and writes a section of the arena.
 
 A generation weight is either a training parameter itself ("shared": zero-copy) or a slice of
 one flat arena (one allocation, 16-byte aligned slices); naive mode adds a second arena for the
@@ -71,6 +72,13 @@ class Program:
     gen_place: dict[str, tuple]
     gen_arena_numel: int
     busiest_bytes: int
+    # direct buckets: bucket -> (src, src_row, rows, cols, dst, first dst row of the section)
+    direct: dict[int, tuple] | None = None
+
+    @property
+    def flat_buckets(self) -> list[int]:
+        """Buckets gathered through a buffer (packed, then unpacked)."""
+        return [b for b in range(len(self.plan.chunk_numels)) if b not in (self.direct or {})]
 
 
 def _arena_layout(names_shapes, align: int) -> tuple[dict[str, int], int]:
@@ -104,7 +112,25 @@ def compile_program(plan: ReshardPlan, me: int, dtypes: dict, dtype, align: int,
                      else ("arena", gen_offsets[n]) for n in plan.gen_params}
     local = [b for b in member.local if place[b.dst][0] == "arena"]
     return Program(plan, me, place, arena_numel, local, _pack_runs(plan, me),
-                   _unpack_ops(plan, place), gen_place, gen_numel, busiest)
+                   _unpack_ops(plan, place), gen_place, gen_numel, busiest,
+                   _direct_ops(plan, me, place))
+
+
+def _direct_ops(plan: ReshardPlan, me: int, place: dict) -> dict[int, tuple]:
+    """This member's part of each direct bucket: its training rows and the section they join."""
+    ops = {}
+    for t in plan.transfers:
+        if not plan.is_direct(t.bucket):
+            continue
+        b = t.block
+        if place[b.dst][0] != "arena":
+            raise AssertionError(f"direct bucket {t.bucket} targets {b.dst}, which is not in "
+                                 f"the arena")
+        if t.member == 0:
+            ops.setdefault(t.bucket, [None, None])[1] = (b.dst, b.dst_row)
+        if t.member == me:
+            ops.setdefault(t.bucket, [None, None])[0] = (b.src, b.src_row, b.rows, b.cols)
+    return {k: (*mine, *section) for k, (mine, section) in ops.items()}
 
 
 def _pack_runs(plan: ReshardPlan, me: int) -> list[list[tuple]]:
@@ -113,7 +139,7 @@ def _pack_runs(plan: ReshardPlan, me: int) -> list[list[tuple]]:
     runs: list[list[tuple]] = [[] for _ in plan.chunk_numels]
     cols_of = {n: (s[1] if len(s) == 2 else 1) for n, s in plan.members[me].params.items()}
     for t in plan.transfers:
-        if t.member != me:
+        if t.member != me or plan.is_direct(t.bucket):
             continue
         b, out = t.block, runs[t.bucket]
         full_width = b.src_col == 0 and b.cols == cols_of[b.src]
@@ -135,7 +161,7 @@ def _unpack_ops(plan: ReshardPlan, place: dict) -> list[list[tuple]]:
     columns: dict[tuple, list] = {}
     for t in plan.transfers:
         b = t.block
-        if place[b.dst][0] != "arena":
+        if place[b.dst][0] != "arena" or plan.is_direct(t.bucket):
             continue
         if b.cols < _as_cols(plan.target_params[b.dst]):
             key = (t.bucket, t.offset, b.dst, b.dst_row, b.rows, b.cols)

@@ -9,10 +9,13 @@
 to_generation executes this rank's compiled plan (hybrid.plan, hybrid.program): a generation
 weight equal to a training parameter is that parameter (zero-copy: nothing else happens when
 t_g = t and p = 1); the others live in one flat arena, filled by local copies of intervals every
-group member holds and by flat buckets of the rollout dtype, one all-gather per bucket inside
-the micro-DP group (the model-parallel group in naive mode). Two buckets rotate: bucket b+1 is
+group member holds and by all-gathers inside the micro-DP group (the model-parallel group in
+naive mode), one per bucket. A direct bucket (a section the members hold as consecutive whole
+rows: q, k, v, gate, up, the vocabulary, when p = 1) gathers from the training parameters
+straight into the arena, no copy on either side; its gathers are issued first. The other
+buckets are flat, in the rollout dtype, packed and unpacked by copies; two rotate: bucket b+1 is
 packed and its all-gather issued before bucket b is unpacked, so on GPU the copies run under
-the communication, and at most two buckets exist at a time.
+the communication, and at most two buffers exist at a time.
 
 The training model is never written: the switch cannot disturb training. The generation Decoder
 is the same object at every switch; its weights are valid until to_training(), which points
@@ -67,12 +70,14 @@ class HybridEngine:
     keep_weights=True keeps the generation weights (and two buckets) allocated between switches,
     M/t_g of memory during training: each switch refills them in place, so their addresses never
     change (a rollout engine's CUDA graphs stay valid), and the copies stay bound, so a switch
-    costs a few kernel launches per bucket.
+    costs a few kernel launches per bucket. direct_min_mb: sections of at least this many MB per
+    member (rollout dtype) become direct buckets; None turns them off (only flat buckets).
     """
 
     def __init__(self, cfg: ModelConfig, train_mesh: ParallelMesh, gen_mesh: GenMesh, *,
                  mode: str = "zero_redundancy", bucket_mb: float = 256.0,
                  dtype: torch.dtype | None = None, keep_weights: bool = False,
+                 direct_min_mb: float | None = 4.0,
                  offload: Callable[[], None] | None = None,
                  reload: Callable[[], None] | None = None):
         if mode not in MODES:
@@ -85,6 +90,7 @@ class HybridEngine:
                              f"{train_mesh.layout} (rank {train_mesh.rank})")
         self.cfg, self.train_mesh, self.gen_mesh = cfg, train_mesh, gen_mesh
         self.mode, self.bucket_mb, self.dtype = mode, bucket_mb, dtype
+        self.direct_min_mb = direct_min_mb
         self.keep_weights, self.offload, self.reload = keep_weights, offload, reload
         # Naive mode gathers the full model over the model-parallel group (DS-Chat / verl).
         self.group = gen_mesh.micro_dp_group if mode == "zero_redundancy" else train_mesh.mp_group
@@ -99,7 +105,10 @@ class HybridEngine:
         """(plan of this rank's group, this rank's member index) for a rollout dtype (cached)."""
         if dtype not in self._plans:
             elsize = torch.empty((), dtype=dtype).element_size()
-            kw = dict(mode=self.mode, max_bucket_numel=int(self.bucket_mb * 2**20) // elsize)
+            direct = None if self.direct_min_mb is None else \
+                int(self.direct_min_mb * 2**20) // elsize
+            kw = dict(mode=self.mode, max_bucket_numel=int(self.bucket_mb * 2**20) // elsize,
+                      direct_min_numel=direct)
             layout, gm = self.train_mesh.layout, self.gen_mesh
             plan = plan_reshard(self.cfg, layout, gm.gen_tp, gm.gen_tp_rank, **kw)
             me = plan.member_index(self.train_mesh.pp_rank, self.train_mesh.tp_rank)
@@ -220,31 +229,38 @@ def _bind(prog: Program, params: dict, store: _Store, dtype, device) -> bool:
     if store.bound is not None and store.key == key:
         return False
     plan, s = prog.plan, prog.plan.num_members
+    flat = prog.flat_buckets
     if store.arena is None:
         store.arena = new_arena(prog.arena_numel, plan.target_params, prog.place, dtype, device)
-        # Two rotating buffers: bucket b+1 is gathered while bucket b is unpacked.
-        size = s * max(plan.chunk_numels, default=0)
+        # Two rotating buffers: bucket b+1 is gathered while bucket b is unpacked (direct
+        # buckets need none: they gather straight into the arena).
+        size = s * max((plan.chunk_numels[b] for b in flat), default=0)
         store.buffers = [torch.empty(size, dtype=dtype, device=device)
-                         for _ in range(min(2, len(plan.chunk_numels)))]
+                         for _ in range(min(2, len(flat)))]
     detached = {n: p.detach() for n, p in params.items()}
     out = weight_views(prog.place, plan.target_params, store.arena, detached)
     local = Copies([rect(out[b.dst], b.dst_row, b.dst_col, b.rows, b.cols) for b in prog.local],
                    [rect(detached[b.src], b.src_row, b.src_col, b.rows, b.cols)
                     for b in prog.local])
-    packs, unpacks = [], []
+    steps: list[_Step] = []
     for b, n in enumerate(plan.chunk_numels):
-        buf = store.buffers[b % 2][:s * n].view(s, n)
+        if b in (prog.direct or {}):
+            steps.append(_direct_step(prog, b, n, detached, out, dtype))
+            continue
+        buf = store.buffers[flat.index(b) % 2][:s * n].view(s, n)
         runs = prog.pack[b]
-        packs.append(Copies([buf[prog.me, o:o + r * c].view(r, c) for *_, r, c, o in runs],
-                            [rect(detached[src], row, col, r, c)
-                             for src, row, col, r, c, _ in runs]))
+        pack = Copies([buf[prog.me, o:o + r * c].view(r, c) for *_, r, c, o in runs],
+                      [rect(detached[src], row, col, r, c) for src, row, col, r, c, _ in runs])
         dsts, srcs = [], []
         for m, k, off, blk in prog.unpack[b]:
             src = buf[m:m + k, off:off + blk.numel].view(k, blk.rows, blk.cols)
             dst = rect(out[blk.dst], blk.dst_row, blk.dst_col, blk.rows, k * blk.cols)
             dsts.append(dst.view(blk.rows, k, blk.cols).permute(1, 0, 2) if k > 1 else dst)
             srcs.append(src if k > 1 else src[0])
-        unpacks.append(Copies(dsts, srcs))
+        # In place: this rank's chunk already sits at its slot of the output (NCCL/gloo allow it).
+        flat_buf = buf.view(-1)
+        steps.append(_Step(False, pack, flat_buf[prog.me * n:(prog.me + 1) * n], flat_buf,
+                           Copies(dsts, srcs)))
     gen, slices = out, None
     if plan.mode == "naive":
         if store.gen_arena is None:
@@ -254,30 +270,60 @@ def _bind(prog: Program, params: dict, store: _Store, dtype, device) -> bool:
         todo = [b for b in plan.slices if prog.gen_place[b.dst][0] == "arena"]
         slices = Copies([rect(gen[b.dst], b.dst_row, b.dst_col, b.rows, b.cols) for b in todo],
                         [rect(out[b.src], b.src_row, b.src_col, b.rows, b.cols) for b in todo])
-    store.key, store.bound = key, (gen, local, packs, unpacks, slices)
+    store.key, store.bound = key, (gen, local, steps, slices)
     return True
 
 
+@dataclass
+class _Step:
+    """One bucket's all-gather: `pack` fills `chunk` (this rank's input), the gather writes
+    `output`, `unpack` (flat buckets) spreads it into the generation weights."""
+
+    direct: bool
+    pack: Copies | None
+    chunk: torch.Tensor
+    output: torch.Tensor
+    unpack: Copies | None = None
+
+
+def _direct_step(prog: Program, b: int, n: int, detached: dict, out: dict, dtype) -> _Step:
+    """A direct bucket: the gather's output is the section of the arena the members fill; its
+    input is this member's training rows, or (another dtype) their cast copy at its own slot."""
+    src, src_row, rows, cols, dst, dst_row = prog.direct[b]
+    s, me = prog.plan.num_members, prog.me
+    output = rect(out[dst], dst_row, 0, s * rows, cols).reshape(-1)
+    mine = rect(detached[src], src_row, 0, rows, cols)
+    if mine.dtype == dtype and mine.is_contiguous():
+        return _Step(True, None, mine.reshape(-1), output)
+    slot = output[me * n:(me + 1) * n]
+    return _Step(True, Copies([slot.view(rows, cols)], [mine]), slot, output)
+
+
 def _run(prog: Program, store: _Store, group, stats: _Stats) -> None:
-    """Local copies, then per bucket: pack, all-gather (async), unpack the previous bucket."""
-    plan, s = prog.plan, prog.plan.num_members
-    _, local, packs, unpacks, slices = store.bound
+    """Local copies, then per bucket: pack, all-gather (async), unpack the previous flat
+    bucket. Direct buckets come first: their gathers keep the network busy while the first
+    flat buckets are packed."""
+    s = prog.plan.num_members
+    _, local, steps, slices = store.bound
     local.run()
-    elsize, pending = store.arena.element_size(), None
-    for b, n in enumerate(plan.chunk_numels):
-        packs[b].run()
-        buf = store.buffers[b % 2][:s * n]
-        # In place: this rank's chunk already sits at its slot of the output (NCCL/gloo allow it).
-        work = ptensor.all_gather_flat(buf, buf[prog.me * n:(prog.me + 1) * n], group,
-                                       async_op=True)
+    elsize, pending, direct = store.arena.element_size(), None, []
+    for step, n in zip(steps, prog.plan.chunk_numels):
+        if step.pack is not None:
+            step.pack.run()
+        work = ptensor.all_gather_flat(step.output, step.chunk, group, async_op=True)
         stats.bytes += (s - 1) * n * elsize
         stats.collectives += 1
+        if step.direct:
+            direct.append(work)
+            continue
         if pending is not None:
             pending[0].wait()    # on GPU: the current stream waits for the gather, not the host
             pending[1].run()
-        pending = (work, unpacks[b])
+        pending = (work, step.unpack)
     if pending is not None:
         pending[0].wait()
         pending[1].run()
+    for work in direct:
+        work.wait()
     if slices is not None:
         slices.run()

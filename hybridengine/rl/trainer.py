@@ -124,7 +124,8 @@ class Trainer:
                                    h.reshard_mode, h.reshard_bucket_mb,
                                    _dtype(r.dtype, self.device),
                                    cfg.data.max_prompt_length + cfg.data.max_response_length,
-                                   residency=self.residency)
+                                   residency=self.residency,
+                                   direct_min_mb=h.reshard_direct_min_mb)
 
     # --- one step -----------------------------------------------------------------------------
     def train_step(self, step: int, indices: list[int], next_batch) -> dict:
