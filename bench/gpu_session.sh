@@ -33,5 +33,6 @@ for p in $parts; do case $p in
            fast="--train-compile --rollout-compile --max-tokens 8192"
            T=600 run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
            T=600 run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
+           T=600 run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true
            T=600 run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile ;;
 esac; done

@@ -86,7 +86,7 @@ ALIASES = {
 IGNORED = (
     "ray_init", "*.strategy", "*.fsdp_config", "*.checkpoint", "*.profile",
     "*.profiler", "*.load_weight", "*.data_loader_seed", "*.use_remove_padding", "*.external_lib",
-    "*.override_config", "*.enable_gradient_checkpointing", "*.gradient_checkpointing_kwargs",
+    "*.override_config", "*.gradient_checkpointing_kwargs",
     "*.use_liger", "*.use_fused_kernels", "*.use_shm", "*.tokenizer_path",
     "*.megatron.use_dist_checkpointing", "*.megatron.dist_checkpointing_path", "*.megatron.seed",
     "*.megatron.override_transformer_config", "*.megatron.use_mbridge",

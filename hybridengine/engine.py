@@ -75,7 +75,7 @@ class TrainEngine:
     def __init__(self, model_dir, mesh, *, sequence_parallel: bool = True,
                  value_head: bool = False, dtype=torch.float32, device="cpu",
                  optim: OptimConfig | None = None, temperature: float = 1.0,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, recompute: bool = False):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
@@ -85,6 +85,7 @@ class TrainEngine:
             self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
                                       value_head=value_head, dtype=dtype, device=self.device)
         self.cfg = self.model.cfg
+        self.model.recompute_layers = recompute     # activation recomputation in train_step
         if compile_layers and self.device.type == "cuda":
             # Per layer, dynamic shapes: packed micro-batches change T every call.
             for layer in self.model.layers:

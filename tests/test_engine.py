@@ -36,12 +36,12 @@ def _microbatches(seqs, dp, dp_rank, tp):
     return mbs
 
 
-def _train(layout, model_dir, out_dir):
+def _train(layout, model_dir, out_dir, recompute=False):
     mesh = build_mesh(layout)
     # float64: the optimizer keeps fp64 masters for fp64 params, so layouts agree to ~1e-13;
     # in fp32 Adam's g/sqrt(v) turns round-off of near-zero gradients into visible drift.
     engine = TrainEngine(model_dir, mesh, sequence_parallel=True, optim=OPTIM,
-                         dtype=torch.float64)
+                         dtype=torch.float64, recompute=recompute)
     history = []
     for step in range(STEPS):
         seqs = _sequences(step)
@@ -72,7 +72,8 @@ def _worker(rank, world, layouts, model_dir, tmp):
             logp, ent = _forward_only(Layout(*lay), model_dir)
             assert (logp - ref[0]).abs().max() < 1e-5 and (ent - ref[1]).abs().max() < 1e-5, lay
     for i, lay in enumerate(layouts):
-        hist = _train(Layout(*lay), model_dir, f"{tmp}/out_{lay}")
+        # a 4th element "recompute": the same layout with activation recomputation
+        hist = _train(Layout(*lay[:3]), model_dir, f"{tmp}/out_{lay}", recompute=len(lay) > 3)
         if rank == 0:
             with open(f"{tmp}/hist_{lay}.json", "w") as f:
                 json.dump(hist, f)
@@ -99,8 +100,33 @@ def test_three_adamw_steps_agree_across_layouts(tmp_path):
     ref_hist = _train(Layout(1, 1, 1), model_dir, tmp_path / "ref")
     ref_params = load_file(str(next((tmp_path / "ref").glob("*.safetensors"))))
     two = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
-    four = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1)]
+    four = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 1, "recompute")]
     run_dist(_worker, 2, two, model_dir, tmp_path)
     run_dist(_worker, 4, four, model_dir, tmp_path)
     for lay in two + four:
         _compare(tmp_path, lay, ref_hist, ref_params)
+
+
+def test_recompute_keeps_only_layer_inputs_for_backward(tmp_path, one_thread):
+    """With recomputation a layer saves its input for backward, not its activations; the
+    gradients are the same."""
+    model_dir = save_tiny(tmp_path / "m", "qwen2", tied=True, layers=4)
+    mbs = _microbatches(_sequences(0), 1, 0, 1)
+    saved, grads = {}, {}
+    for recompute in (False, True):
+        engine = TrainEngine(model_dir, build_mesh(Layout(1, 1, 1)), dtype=torch.float64,
+                             recompute=recompute)
+        engine.model.requires_grad_(True).train()
+        nbytes = []
+
+        def pack(t):
+            nbytes.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = engine.model(mbs[0].packed)
+        hidden.pow(2).sum().backward()
+        saved[recompute] = sum(nbytes)
+        grads[recompute] = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    assert saved[True] < saved[False] / 4, saved
+    for name, g in grads[False].items():
+        assert torch.allclose(grads[True][name], g, rtol=1e-12, atol=1e-14), name

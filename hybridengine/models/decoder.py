@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hybridengine.kernels import fused_linear_logprob_entropy
 from hybridengine.models.attention import PackedCausalAttention, PackedInput, RotaryEmbedding, \
@@ -150,6 +151,10 @@ class Decoder(nn.Module):
         self.cfg, self.tp_group = cfg, tp_group
         self.sp = sequence_parallel and tp > 1
         self.pp_rank, self.pp_size = pp_rank, pp_size
+        # Activation recomputation (model.enable_gradient_checkpointing): in training, a layer
+        # keeps only its input for backward and runs again there (Megatron's "full" recompute,
+        # TP/SP collectives included: every rank of the group recomputes in the same order).
+        self.recompute_layers = False
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
         self.layer_start, self.layer_end = stage_layers(cfg.num_layers, pp_size, pp_rank)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device)
@@ -190,8 +195,12 @@ class Decoder(nn.Module):
         h = self.embed_tokens(packed.input_ids) if self.is_first else hidden
         cos, sin = self.rotary(packed.position_ids, h.dtype)
         ctx = attn_ctx or PackedCausalAttention(packed)
+        recompute = self.recompute_layers and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
+            if recompute:
+                h = checkpoint(layer, h, cos, sin, ctx, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, ctx)
         return self.norm(h) if self.is_last else h
 
     # --- heads (last stage) -------------------------------------------------------------------

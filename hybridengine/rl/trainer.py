@@ -95,6 +95,7 @@ class Trainer:
         actor_engine = TrainEngine(
             arr.model.path, self._mesh(lay.actor, meshes), dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
+            recompute=bool(arr.model.enable_gradient_checkpointing),
             optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps))
         self.actor = Actor(actor_engine, arr)
         self.ref = None
@@ -109,6 +110,7 @@ class Trainer:
             critic_engine = TrainEngine(
                 c.model.path, self._mesh(lay.critic, meshes), value_head=True,
                 compile_layers=bool(c.use_torch_compile),
+                recompute=bool(c.model.enable_gradient_checkpointing),
                 dtype=_dtype(c.megatron.param_dtype, self.device), device=self.device,
                 sequence_parallel=lay.critic.sequence_parallel,
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps))
