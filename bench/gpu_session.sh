@@ -2,14 +2,14 @@
 # One batched GPU session (run through the device tool on an nvidia-h200-x2 machine from the
 # repo root): GPU tests, then every benchmark, each writing JSON (and logs) under $OUT.
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout reshard kernels ppo
+#   parts: tests model train rollout reshard kernels ppo megatron
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl).
 set -u
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .whl/*.whl
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-parts=${*:-tests model train rollout reshard kernels ppo}
+parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/session.log";
         timeout "${T:-300}" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err";
@@ -29,6 +29,7 @@ for p in $parts; do case $p in
              run reshard torchrun --nproc_per_node=2 tools/bench_reshard.py --models 0.5b,7b --bucket-mb 64,256,1024 --profile
            fi ;;
   kernels) [ -f tools/bench_logprob.py ] && run logprob python3 tools/bench_logprob.py ;;
+  megatron) run megatron python3 tools/bench_megatron.py ;;   # megatron-core wheel in .whl/
   ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            fast="--train-compile --rollout-compile --max-tokens 8192"
            T=600 run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
