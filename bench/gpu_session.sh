@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session (run through the device tool on an nvidia-h200-x2 machine from the
-# repo root): GPU tests, then every benchmark, each writing JSON (and logs) under $OUT.
+# repo root): GPU tests, then every benchmark, each writing JSON (and logs); at the end
+# $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
+# One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
 #   parts: tests model train rollout reshard kernels ppo megatron
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -8,14 +10,15 @@
 set -u
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .whl/*.whl
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; RES=/tmp/gpu_results; mkdir -p "$OUT" "$RES"
+trap 'tar -czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/session.log" "$OUT/"' EXIT
 parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-run() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/session.log";
-        timeout "${T:-300}" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err";
-        echo "rc=$? $(tail -c 600 "$OUT/$name.json")" | tee -a "$OUT/session.log"; }
+run() { local name=$1; shift; echo "== $name: $*" | tee -a "$RES/session.log";
+        timeout "${T:-300}" "$@" > "$RES/$name.json" 2> "$RES/$name.err";
+        echo "rc=$? $(tail -c 600 "$RES/$name.json")" | tee -a "$RES/session.log"; }
 for p in $parts; do case $p in
-  tests)   python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 | tee -a "$OUT/session.log" ;;
+  tests)   python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 | tee -a "$RES/session.log" ;;
   model)   run model_hf python3 tools/bench_model.py --iters 10 --hf
            run model_compile python3 tools/bench_model.py --iters 10 --compile --profile ;;
   train)   run train_111 torchrun --nproc_per_node=1 tools/bench_train.py
