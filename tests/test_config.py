@@ -5,16 +5,9 @@ import shlex
 
 import pytest
 
-from hybridengine.config import (
-    ALIASES,
-    CHOICES,
-    IGNORED,
-    RANGES,
-    SPECS,
-    derive_layout,
-    load_config,
-    validate_config,
-)
+from hybridengine.config import derive_layout, load_config, validate_config
+from hybridengine.config.checks import RANGES
+from hybridengine.config.loading import ALIASES, CHOICES, IGNORED, SPECS
 
 # The seed's verl quickstart command, verbatim after `launch/ppo.py`.
 VERL_COMMAND = """

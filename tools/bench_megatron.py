@@ -114,7 +114,6 @@ def bench_megatron(cfg, args, device, dtype) -> dict:
     _sync(device)
     sec = (time.perf_counter() - t0) / args.iters
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    del model
     return {"seconds_per_step": sec, "tokens_per_s": args.batch * args.seq_len / sec,
             "params": params, "peak_memory_gb": peak_mem}
 

@@ -1,4 +1,4 @@
-"""Configuration: verl's key tree, OmegaConf overrides, one-line errors, the parallel layout.
+"""Loading the configuration: verl's key tree, OmegaConf overrides, one-line errors.
 
 `load_config(argv)` starts from configs/ppo_trainer.yaml, merges each `--config FILE` (a partial
 tree) in order, then the `key=value` overrides (OmegaConf dotlist syntax: `a.b=[x,y]`, `a=null`,
@@ -8,17 +8,12 @@ DictConfig (reading a missing key raises) whose every leaf has the type of its d
 Errors are one line each: an unknown key names the nearest known key; a wrong type names key,
 value and expected type; an unknown choice lists the choices. Keys that verl users pass but that
 mean nothing here (FSDP knobs, Ray, HDFS, ...) are dropped with one warning line listing them.
-
-`validate_config(cfg, world_size)` runs the cross-field checks that need the world size (batch
-divisibility per verl's semantics, parallel sizes, algorithm combinations); `derive_layout`
-turns the config into per-role (tp, pp, dp) and the generation TP degree.
 """
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,12 +21,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("hybridengine.config")
 
-DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "configs" / "ppo_trainer.yaml"
+DEFAULTS_FILE = Path(__file__).resolve().parents[2] / "configs" / "ppo_trainer.yaml"
 
 # key prefixes of the actor, rollout and reference sections
-_A, _R, _F = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref."
+ACTOR, ROLLOUT, REF = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref."
+_A, _R, _F = ACTOR, ROLLOUT, REF
 
 # Kind and nullability of keys whose default cannot tell (null defaults, path-or-list);
 # every other key has the kind of its default value.
@@ -293,191 +289,3 @@ def _set(tree: dict, key: str, value: Any) -> None:
 
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class RoleLayout:
-    """Training layout of one role: tp * pp * dp = world size."""
-
-    tp: int
-    pp: int
-    dp: int
-    sequence_parallel: bool   # effective: requested and tp > 1
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Per-role training layouts and the generation TP degree t_g (p_g = 1); None for a role
-    the algorithm does not use."""
-
-    world_size: int
-    actor: RoleLayout
-    ref: RoleLayout | None
-    critic: RoleLayout | None
-    rollout_tp: int
-
-    @property
-    def rollout_dp(self) -> int:
-        """Generation replicas over the whole world."""
-        return self.world_size // self.rollout_tp
-
-    @property
-    def micro_dp(self) -> int:
-        """d_g = t·p / t_g: generation replicas inside one actor training replica."""
-        return self.actor.tp * self.actor.pp // self.rollout_tp
-
-
-def uses_critic(cfg: DictConfig) -> bool:
-    return cfg.algorithm.adv_estimator == "gae"
-
-
-def uses_reference(cfg: DictConfig) -> bool:
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
-def _role_layout(megatron: DictConfig, section: str, world_size: int) -> RoleLayout:
-    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ValueError(f"{section}.tensor_model_parallel_size * pipeline_model_parallel_size = "
-                         f"{tp}*{pp} must be positive and divide the world size {world_size}")
-    return RoleLayout(tp, pp, world_size // (tp * pp), bool(megatron.sequence_parallel) and tp > 1)
-
-
-def derive_layout(cfg: DictConfig, world_size: int) -> EngineLayout:
-    """Layouts of actor, reference, critic and the rollout TP from the config and world size."""
-    if world_size < 1:
-        raise ValueError(f"world size {world_size} must be >= 1")
-    aro = cfg.actor_rollout_ref
-    actor = _role_layout(aro.actor.megatron, _A + "megatron", world_size)
-    ref = _role_layout(aro.ref.megatron, _F + "megatron", world_size) if uses_reference(cfg) else None
-    critic = _role_layout(cfg.critic.megatron, "critic.megatron", world_size) if uses_critic(cfg) else None
-    rollout_tp = aro.rollout.tensor_model_parallel_size
-    if rollout_tp < 1 or (actor.tp * actor.pp) % rollout_tp:
-        raise ValueError(f"{_R}tensor_model_parallel_size={rollout_tp} must divide actor tp*pp = "
-                         f"{actor.tp}*{actor.pp}: the generation layout has d_g = tp*pp/t_g replicas "
-                         f"per training replica")
-    return EngineLayout(world_size, actor, ref, critic, rollout_tp)
-
-
-# ----------------------------------------------------------------------------- validation
-
-# Single-field ranges (null skips the check for nullable keys).
-RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
-    ("must be > 0", lambda v: v > 0, (
-        "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-        "data.gen_batch_size", "data.val_batch_size", _A + "ppo_mini_batch_size",
-        _A + "ppo_micro_batch_size_per_gpu", _A + "ppo_max_token_len_per_gpu", _A + "ppo_epochs",
-        _A + "clip_ratio", _A + "clip_ratio_low", _A + "clip_ratio_high", _R + "n", _R + "max_num_seqs",
-        _R + "val_kwargs.n", _R + "log_prob_micro_batch_size_per_gpu", _R + "log_prob_max_token_len_per_gpu",
-        _F + "log_prob_micro_batch_size_per_gpu", _F + "log_prob_max_token_len_per_gpu",
-        "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
-        "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu", "critic.cliprange_value",
-        "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "trainer.total_epochs",
-        "trainer.total_training_steps", "trainer.nnodes", "trainer.n_gpus_per_node",
-        "trainer.collective_timeout_s", "trainer.hybrid_engine.reshard_bucket_mb")),
-    ("must be >= 0", lambda v: v >= 0, (
-        "trainer.hybrid_engine.reshard_direct_min_mb", _A + "entropy_coeff", _A + "kl_loss_coef", _A + "grad_clip", _A + "optim.lr",
-        _A + "optim.weight_decay", "critic.grad_clip", "critic.optim.lr", "critic.optim.weight_decay",
-        _R + "temperature", _R + "val_kwargs.temperature", "algorithm.kl_ctrl.kl_coef",
-        "algorithm.filter_groups.max_num_gen_batches", "reward_model.overlong_buffer.penalty_factor")),
-    ("must be in [0, 1]", lambda v: 0 <= v <= 1, (
-        "algorithm.gamma", "algorithm.lam", _A + "optim.lr_warmup_steps_ratio", _A + "optim.min_lr_ratio",
-        "critic.optim.lr_warmup_steps_ratio", "critic.optim.min_lr_ratio")),
-    ("must be in (0, 1]", lambda v: 0 < v <= 1, (
-        _R + "top_p", _R + "val_kwargs.top_p", _R + "gpu_memory_utilization")),
-    ("must be >= -1 (-1 or 0: off)", lambda v: v >= -1, (_R + "top_k", _R + "val_kwargs.top_k")),
-    ("must be > 1 (dual-clip bound)", lambda v: v > 1, (_A + "clip_ratio_c",)),
-    ("must be two numbers in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
-     (_A + "optim.betas", "critic.optim.betas")),
-)
-
-
-def _check_ranges(cfg: DictConfig) -> None:
-    for message, ok, keys in RANGES:
-        for key in keys:
-            value = OmegaConf.select(cfg, key)
-            if value is not None and not ok(value):
-                raise ValueError(f"{key}={value} {message}")
-
-
-def _check_algorithm(cfg: DictConfig) -> None:
-    algo, data, n = cfg.algorithm, cfg.data, cfg.actor_rollout_ref.rollout.n
-    if cfg.actor_rollout_ref.model.path is None:
-        raise ValueError("actor_rollout_ref.model.path must be set (a Hugging Face model directory)")
-    if uses_critic(cfg) and cfg.critic.model.path is None:
-        raise ValueError("critic.model.path must be set when algorithm.adv_estimator=gae")
-    if algo.adv_estimator in ("grpo", "rloo") and n < 2:
-        raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a "
-                         f"prompt: set {_R}n >= 2 (got {n})")
-    if algo.filter_groups.enable and n < 2:
-        raise ValueError(f"algorithm.filter_groups.enable=true filters groups of responses: set {_R}n >= 2")
-    if not algo.filter_groups.enable and data.gen_batch_size != data.train_batch_size:
-        raise ValueError(f"data.gen_batch_size={data.gen_batch_size} != data.train_batch_size="
-                         f"{data.train_batch_size}: it is only used with algorithm.filter_groups.enable=true")
-    overlong = cfg.reward_model.overlong_buffer
-    if overlong.enable and cfg.reward_model.reward_manager != "dapo":
-        raise ValueError("reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo")
-    if overlong.enable and not 0 < overlong.len <= data.max_response_length:
-        raise ValueError(f"reward_model.overlong_buffer.len={overlong.len} must be in "
-                         f"(0, data.max_response_length={data.max_response_length}]")
-    if cfg.reward_model.enable:
-        raise ValueError("reward_model.enable=true: model-based rewards are not supported; "
-                         "use the rule rewards or custom_reward_function.path")
-    if cfg.trainer.resume_mode == "resume_path" and cfg.trainer.resume_from_path is None:
-        raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-
-
-def _check_train_batches(cfg: DictConfig, section: str, role: RoleLayout) -> None:
-    """verl's rule: ppo_mini_batch_size counts prompts, so a mini-batch is mini * n sequences,
-    split evenly over the role's DP ranks, then into ppo_micro_batch_size_per_gpu micro-batches."""
-    node, prompts = OmegaConf.select(cfg, section), cfg.data.train_batch_size
-    n = cfg.actor_rollout_ref.rollout.n
-    mini = node.ppo_mini_batch_size
-    if prompts % mini:
-        raise ValueError(f"data.train_batch_size={prompts} must be a multiple of "
-                         f"{section}.ppo_mini_batch_size={mini}")
-    sequences = mini * n
-    if sequences % role.dp:
-        raise ValueError(f"{section}.ppo_mini_batch_size * rollout.n = {mini}*{n} sequences do not split "
-                         f"over data-parallel size {role.dp} (= world / (tp {role.tp} * pp {role.pp}))")
-    micro = node.ppo_micro_batch_size_per_gpu
-    if node.use_dynamic_bsz:
-        return
-    if micro is None:
-        raise ValueError(f"{section}.ppo_micro_batch_size_per_gpu must be set when "
-                         f"{section}.use_dynamic_bsz=false")
-    if (sequences // role.dp) % micro:
-        raise ValueError(f"{section}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank "
-                         f"mini-batch of {mini}*{n}/{role.dp} = {sequences // role.dp} sequences")
-
-
-def _check_forward_batches(cfg: DictConfig, layout: EngineLayout) -> None:
-    rollout, ref, critic = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
-    needed = [(_R + "log_prob", rollout.log_prob_use_dynamic_bsz, rollout.log_prob_micro_batch_size_per_gpu)]
-    if layout.ref is not None:
-        needed.append((_F + "log_prob", ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu))
-    if layout.critic is not None:
-        needed.append(("critic.forward", critic.use_dynamic_bsz, critic.forward_micro_batch_size_per_gpu))
-    for stem, dynamic, micro in needed:
-        if not dynamic and micro is None:
-            dynamic_key = "critic.use_dynamic_bsz" if stem.startswith("critic") else f"{stem}_use_dynamic_bsz"
-            raise ValueError(f"{stem}_micro_batch_size_per_gpu must be set when {dynamic_key}=false")
-
-
-def validate_config(cfg: DictConfig, world_size: int) -> EngineLayout:
-    """Ranges and cross-field checks (one-line ValueError naming the fields); returns the layout."""
-    _check_ranges(cfg)
-    _check_algorithm(cfg)
-    trainer = cfg.trainer
-    if trainer.n_gpus_per_node is not None and trainer.nnodes * trainer.n_gpus_per_node != world_size:
-        raise ValueError(f"trainer.nnodes * trainer.n_gpus_per_node = {trainer.nnodes}*"
-                         f"{trainer.n_gpus_per_node} but the launcher started {world_size} processes")
-    layout = derive_layout(cfg, world_size)
-    _check_train_batches(cfg, "actor_rollout_ref.actor", layout.actor)
-    if layout.critic is not None:
-        _check_train_batches(cfg, "critic", layout.critic)
-    _check_forward_batches(cfg, layout)
-    return layout

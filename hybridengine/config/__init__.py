@@ -1,0 +1,12 @@
+"""Configuration: verl's key tree with OmegaConf overrides (loading), and the cross-field checks
+and parallel layout that need the world size (checks).
+
+    cfg = load_config(["--config", "configs/tiny.yaml", "data.train_batch_size=16"])
+    layout = validate_config(cfg, world_size)      # EngineLayout: per-role (tp, pp, dp), t_g
+"""
+from hybridengine.config.checks import (EngineLayout, RoleLayout, derive_layout, uses_critic,
+                                        uses_reference, validate_config)
+from hybridengine.config.loading import DEFAULTS_FILE, load_config
+
+__all__ = ["DEFAULTS_FILE", "EngineLayout", "RoleLayout", "derive_layout", "load_config",
+           "uses_critic", "uses_reference", "validate_config"]
