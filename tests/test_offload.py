@@ -89,14 +89,16 @@ def _fit(rank, world, out_dir, overrides):
                        "critic.ppo_micro_batch_size_per_gpu=4", "critic.optim.lr=1e-3",
                        "data.max_response_length=8", "trainer.total_training_steps=2",
                        "trainer.val_before_train=False", "trainer.test_freq=-1",
-                       "trainer.save_freq=2", "trainer.logger=[]",
+                       "trainer.save_freq=-1", "trainer.logger=[]",
                        f"trainer.default_local_dir={out_dir}", *overrides])
     trainer = Trainer(cfg, world_size=world, rank=rank)
     trainer.fit()
+    # fit ends with everything back on the device: every weight can be read
     weights = {f"{role}.{n}": p.detach().clone()
                for role, eng in (("actor", trainer.actor.engine), ("critic", trainer.critic.engine))
                for n, p in eng.model.named_parameters()}
     torch.save(weights, Path(out_dir) / f"weights_{rank}.pt")
+    trainer.save(2)
     if rank == 0:
         log = [(phase, parked) for phase, parked in trainer.residency.log]
         (Path(out_dir) / "residency.json").write_text(json.dumps(log))

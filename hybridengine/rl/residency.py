@@ -82,6 +82,11 @@ class Residency:
         if "params" in self.roles.get("actor", (None, ()))[1]:
             self.seconds += self.roles["actor"][0].unpark(["params"])
 
+    def unpark_all(self) -> None:
+        """Everything back on the device (the end of fit: callers may read any tensor)."""
+        for engine, parts in self.roles.values():
+            self.seconds += engine.unpark(parts)
+
     def pop_metrics(self) -> dict[str, float]:
         if not self.roles:
             return {}

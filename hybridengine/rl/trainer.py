@@ -334,6 +334,7 @@ class Trainer:
                 with phase("save"):
                     self.save(step)
         tracker.close()
+        self.residency.unpark_all()
         self.generator.close()          # a vLLM engine shuts down while the group still exists
         if self.rank == 0:
             print(f"metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}", flush=True)
