@@ -243,11 +243,12 @@ def _bind(prog: Program, params: dict, store: _Store, dtype, device) -> bool:
                    [rect(detached[b.src], b.src_row, b.src_col, b.rows, b.cols)
                     for b in prog.local])
     steps: list[_Step] = []
+    rotation = {b: i for i, b in enumerate(flat)}       # flat bucket -> its position
     for b, n in enumerate(plan.chunk_numels):
         if b in (prog.direct or {}):
             steps.append(_direct_step(prog, b, n, detached, out, dtype))
             continue
-        buf = store.buffers[flat.index(b) % 2][:s * n].view(s, n)
+        buf = store.buffers[rotation[b] % 2][:s * n].view(s, n)
         runs = prog.pack[b]
         pack = Copies([buf[prog.me, o:o + r * c].view(r, c) for *_, r, c, o in runs],
                       [rect(detached[src], row, col, r, c) for src, row, col, r, c, _ in runs])
