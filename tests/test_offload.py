@@ -152,3 +152,22 @@ def test_parking_on_cuda_frees_device_memory_and_restores_values():
     values.unpark(), dead.unpark()
     assert torch.equal(w, before) and not g.any()
     assert torch.cuda.memory_allocated() == allocated
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_runs_and_keeps_the_first_step(tmp_path):
+    """The trainer on one GPU with every offload flag (pinned host buffers, storages resized on
+    the device): fp32 training weights with a bf16 rollout, so the generation weights are copies
+    and the actor's own weights go to the host during generation. The first step's rollout and
+    forward passes see the same weights with and without offload."""
+    one_gpu = ["trainer.device=cuda", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+               "actor_rollout_ref.actor.megatron.param_dtype=float32",
+               "critic.megatron.param_dtype=float32", "actor_rollout_ref.rollout.dtype=bfloat16"]
+    _fit(0, 1, str(tmp_path / "plain"), one_gpu)
+    _fit(0, 1, str(tmp_path / "offload"), one_gpu + OFFLOAD_ALL)
+    plain, off = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("plain", "offload"))
+    assert off[0]["timing_s/offload"] > 0
+    for key in ("response_length/mean", "critic/score/mean", "actor/pg_loss", "critic/vf_loss"):
+        assert off[0][key] == pytest.approx(plain[0][key], rel=1e-4, abs=1e-6), key
+    parked = dict(json.loads((tmp_path / "offload" / "residency.json").read_text()))
+    assert parked["generation"]["actor"] > 0 and parked["update_actor"]["critic"] > 0
