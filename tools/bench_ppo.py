@@ -181,7 +181,8 @@ def run(args) -> dict:
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
-            "algo": "grpo" if args.tiny else args.algo, "sequences_per_step": 256,
+            "algo": "grpo" if args.tiny else args.algo, "sequences_per_step":
+                cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n,
             "rollout_compile": args.rollout_compile, "train_compile": args.train_compile,
             "offload": args.offload, "overrides": args.set, "mean": mean, "steps": steps,
             **({"profile": profile} if profile is not None else {})}
