@@ -100,8 +100,8 @@ def _fit(rank, world, out_dir, overrides):
     torch.save(weights, Path(out_dir) / f"weights_{rank}.pt")
     trainer.save(2)
     if rank == 0:
-        log = [(phase, parked) for phase, parked in trainer.residency.log]
-        (Path(out_dir) / "residency.json").write_text(json.dumps(log))
+        (Path(out_dir) / "residency.json").write_text(
+            json.dumps(trainer.residency.parked_by_phase))
 
 
 def _training_metrics(path):
@@ -128,8 +128,7 @@ def test_offloading_every_part_trains_identically(tmp_path):
     sb = load_file(str(off / "global_step_2" / "state" / "rank_00000.safetensors"))
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
-    log = json.loads((off / "residency.json").read_text())
-    parked = {phase: p for phase, p in log}          # the last step's entry of each phase
+    parked = json.loads((off / "residency.json").read_text())   # the last step's, per phase
     # During generation the actor's weights, gradients and optimizer state are all on the host
     # (the generation model holds gathered copies), the critic and reference entirely too.
     assert parked["generation"]["actor"] > 0
@@ -169,5 +168,5 @@ def test_offload_on_cuda_runs_and_keeps_the_first_step(tmp_path):
     assert off[0]["timing_s/offload"] > 0
     for key in ("response_length/mean", "critic/score/mean", "actor/pg_loss", "critic/vf_loss"):
         assert off[0][key] == pytest.approx(plain[0][key], rel=1e-4, abs=1e-6), key
-    parked = dict(json.loads((tmp_path / "offload" / "residency.json").read_text()))
+    parked = json.loads((tmp_path / "offload" / "residency.json").read_text())
     assert parked["generation"]["actor"] > 0 and parked["update_actor"]["critic"] > 0

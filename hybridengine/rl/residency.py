@@ -54,11 +54,8 @@ class Residency:
     def __init__(self, roles: dict[str, tuple[TrainEngine, tuple[str, ...]]]):
         self.roles = {n: (e, parts) for n, (e, parts) in roles.items() if parts}
         self.seconds = 0.0
-        self.log: list[tuple[str, dict[str, int]]] = []   # (phase, role -> parked bytes)
-
-    @property
-    def active(self) -> bool:
-        return bool(self.roles)
+        # the latest entry of each phase (and "generation"): role -> device bytes parked
+        self.parked_by_phase: dict[str, dict[str, int]] = {}
 
     def enter(self, phase: str) -> None:
         uses = PHASE_USES.get(phase)
@@ -68,14 +65,14 @@ class Residency:
             need = uses.get(name, ())
             self.seconds += engine.unpark([p for p in parts if p in need])
             self.seconds += engine.park([p for p in parts if p not in need])
-        self.log.append((phase, {n: e.parked_bytes() for n, (e, _) in self.roles.items()}))
+        self.parked_by_phase[phase] = {n: e.parked_bytes() for n, (e, _) in self.roles.items()}
 
     def after_gather(self, gen_model) -> None:
         """The actor's weights the generation model does not share go to the host."""
         if "params" in self.roles.get("actor", (None, ()))[1]:
             engine = self.roles["actor"][0]
             self.seconds += engine.park(["params"], skip=list(gen_model.parameters()))
-            self.log.append(("generation", {"actor": engine.parked_bytes()}))
+            self.parked_by_phase["generation"] = {"actor": engine.parked_bytes()}
 
     def before_gather(self) -> None:
         """The actor's weights on the device again (a second rollout within a step: DAPO)."""
