@@ -303,3 +303,19 @@ def test_bad_inputs_one_line_errors():
         Engine(model, max_model_len=8, kv_cache_tokens=8).generate([[1]], params)
     with pytest.raises(ValueError, match="attn_backend"):
         Engine(model, max_model_len=8, attn_backend="paged")
+
+
+def test_auto_backend_falls_back_flash_then_per_head_then_sdpa(monkeypatch):
+    """auto takes the grouped flash call when it agrees with SDPA on the device, else the
+    per-head call, else SDPA (the check itself runs on the GPU; here its verdicts are given)."""
+    from hybridengine.rollout import attention
+    monkeypatch.setattr(attention, "_FLASH_DECODE", _varlen_seqused_reference)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    for works, expected in [({"flash", "flash_per_head"}, "flash"),
+                            ({"flash_per_head"}, "flash_per_head"), (set(), "sdpa")]:
+        monkeypatch.setattr(attention, "_flash_decode_agrees",
+                            lambda device, dtype, backend, ok=works: backend in ok)
+        assert attention.resolve_backend("auto", cuda, bf16) == expected
+    assert attention.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
+    with pytest.raises(ValueError, match="attn_backend='flash_per_head' needs CUDA"):
+        attention.resolve_backend("flash_per_head", torch.device("cpu"), torch.float32)

@@ -15,8 +15,8 @@ row's cached prefix, by one of three backends:
          computes G rows, where per-head decode reads it G times for one useful row of a
          64-row tile. Through torch.nn.attention.varlen.varlen_attn when it takes seqused_k
          (torch 2.13), else the aten flash op it wraps, whose schema has had seqused_k longer
-         (torch 2.11); checked once against SDPA on the device before use (a mismatch or an
-         error falls back to sdpa with a warning).
+         (torch 2.11). `auto` checks it once against SDPA on the device before use; a mismatch
+         or an error falls back to flash_per_head, then to sdpa, with a warning.
   flash_per_head  the same kernel with one query row per sequence and GQA inside the kernel
          (the comparison point for `flash`).
   sdpa   the rows' cache gathered to [B, h_kv, L, d] and a length mask; q grouped as
@@ -77,10 +77,13 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
                          f"torch {torch.__version__})")
     if requested == "sdpa" or not usable:
         return "sdpa"
-    backend = "flash" if requested == "auto" else requested
-    if requested == "auto" and not _flash_decode_agrees(device, dtype, backend):
-        return "sdpa"
-    return backend
+    if requested != "auto":
+        return requested
+    # auto: the first flash variant that runs and agrees with SDPA on this device and torch
+    for backend in _FLASH:
+        if _flash_decode_agrees(device, dtype, backend):
+            return backend
+    return "sdpa"
 
 
 class DecodeContext:
