@@ -36,8 +36,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 from hybridengine.config import load_config  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
+from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
-from profiling import kernel_table  # noqa: E402
+from profiling import profile_ranges  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_actor",
@@ -137,12 +138,10 @@ PHASES = ["rollout", "prefill", "decode", "reshard", "old_log_prob", "ref", "val
 
 def extra_overrides(args) -> list[str]:
     ov = list(args.set)
-    flags = {"params": "param_offload", "grads": "grad_offload",
-             "optimizer": "optimizer_offload"}
     for part in filter(None, args.offload.split(",")):
-        if part not in flags:
-            raise SystemExit(f"--offload {part!r}: choose from {', '.join(flags)}")
-        ov += [f"{role}.megatron.{flags[part]}=true"
+        if part not in OFFLOAD_FLAGS:
+            raise SystemExit(f"--offload {part!r}: choose from {', '.join(OFFLOAD_FLAGS)}")
+        ov += [f"{role}.megatron.{OFFLOAD_FLAGS[part]}=true"
                for role in ("actor_rollout_ref.actor", "critic")]
     return ov
 
@@ -169,12 +168,9 @@ def run(args) -> dict:
             steps.append({k: m[k] for k in KEYS if k in m})
     profile = None
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
-                                         else [])
-        with torch_profile(activities=acts) as prof:
-            trainer.train_step(step + 1, next(batches), lambda: next(batches, None))
-        profile = kernel_table(prof, PHASES)
+        profile = profile_ranges(
+            lambda: trainer.train_step(step + 1, next(batches), lambda: next(batches, None)),
+            PHASES)
         log("profiled one more step: " + ", ".join(
             f"{k} {v['kernel_ms']:.0f} ms" for k, v in profile.items()))
     shutil.rmtree(work, ignore_errors=True)

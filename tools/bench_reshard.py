@@ -37,7 +37,7 @@ from hybridengine.parallel.mesh import Layout, build_gen_mesh, build_mesh, \
     init_distributed  # noqa: E402
 
 from hybridengine.models.shapes import QWEN2_5_0_5B, QWEN2_5_7B  # noqa: E402
-from profiling import kernel_table  # noqa: E402
+from profiling import profile_ranges  # noqa: E402
 
 SHAPES = {
     "0.5b": QWEN2_5_0_5B,
@@ -94,15 +94,11 @@ def bench_allgather(group, num_bytes, device, warmup, iters):
     return {"seconds": sec, "busbw_gbps": (size - 1) * chunk * 2 / sec / 1e9}
 
 
-def profile_switch(engine, train, device) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        engine.to_generation(train)
-        _sync(device)
+def profile_switch(engine, train) -> dict:
+    table = profile_ranges(lambda: engine.to_generation(train), ["reshard"])
     engine.to_training()
     engine.pop_metrics()
-    return kernel_table(prof, ["reshard"])
+    return table
 
 
 def bench_model(name, cfg, args, mesh, gen_mesh, device):
@@ -133,7 +129,7 @@ def bench_model(name, cfg, args, mesh, gen_mesh, device):
         stats.update(mode=mode, bucket_mb=bucket_mb, keep_weights=keep, direct_min_mb=direct_mb,
                      direct_buckets=sum(plan.direct))
         if args.profile:
-            stats["profile"] = profile_switch(engine, train, device)
+            stats["profile"] = profile_switch(engine, train)
         result["runs"].append(stats)
         del engine
         if device.type == "cuda":

@@ -31,7 +31,7 @@ from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
 from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
-from profiling import kernel_table  # noqa: E402
+from profiling import profile_ranges  # noqa: E402
 
 # vLLM's CPU attention needs head_dim >= 32
 TINY_VLLM = replace(TINY, hidden_size=128, intermediate_size=256, head_dim=32)
@@ -89,19 +89,15 @@ def bench_engine(model, prompts, args, device) -> dict:
                                       "num_slots")})
     out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
     if getattr(args, "profile", False):
-        out["profile"] = profile_generate(engine, prompts, params, device)
+        out["profile"] = profile_generate(engine, prompts, params)
     engine.free_cache()
     return out
 
 
-def profile_generate(engine, prompts, params, device) -> dict:
+def profile_generate(engine, prompts, params) -> dict:
     """Kernel tables of one more generate call, and the decode kernels per step."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        engine.generate(prompts, params)
-        sync(device)
-    table = kernel_table(prof, ["prefill", "decode"], top=20)
+    table = profile_ranges(lambda: engine.generate(prompts, params), ["prefill", "decode"],
+                           top=20)
     steps = max(engine.stats["num_decode_steps"], 1)
     if "decode" in table:
         d = table["decode"]

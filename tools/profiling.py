@@ -17,6 +17,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable
 
+import torch
 from torch.autograd import DeviceType
 
 CATEGORIES = (
@@ -67,6 +68,19 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def profile_ranges(fn, ranges: Iterable[str], top: int = 12) -> dict:
+    """Run fn() under torch.profiler (CPU, and CUDA when present; the device synchronized
+    before the profile closes) and return kernel_table of its named ranges."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return kernel_table(prof, ranges, top)
 
 
 def kernel_table(prof, ranges: Iterable[str], top: int = 12) -> dict:

@@ -47,7 +47,7 @@ class HostParking:
             seen.add(s.data_ptr())
             self._storages.append(s)
             self._nbytes.append(s.nbytes())
-        self._host: list[torch.Tensor | None] | None = None
+        self._host: list[torch.Tensor | None] = [None] * len(self._storages)   # at first park
         self._parked: list[int] = []            # indices of the storages parked now
         self.parked = False
 
@@ -76,8 +76,6 @@ class HostParking:
         self._parked = [i for i, s in enumerate(self._storages) if s.data_ptr() not in busy]
         if self.keep_values and self._parked:
             pin = self._storages[0].device.type == "cuda"
-            if self._host is None:
-                self._host = [None] * len(self._storages)
             for i in self._parked:
                 s = self._storages[i]
                 if self._host[i] is None:

@@ -43,12 +43,12 @@ class Generator:
 
     def __init__(self, actor_engine, gen_tp: int, rollout_cfg, reshard_mode: str,
                  bucket_mb: float, dtype: torch.dtype, max_model_len: int,
-                 offload=None, reload=None, residency=None, direct_min_mb: float | None = 4.0):
+                 residency=None, direct_min_mb: float | None = 4.0):
         self.actor, self.mesh = actor_engine, actor_engine.mesh
         self.gen_mesh = build_gen_mesh(self.mesh.layout, gen_tp)
         self.hybrid = HybridEngine(actor_engine.cfg, self.mesh, self.gen_mesh, mode=reshard_mode,
-                                   bucket_mb=bucket_mb, dtype=dtype, offload=offload,
-                                   reload=reload, direct_min_mb=direct_min_mb)
+                                   bucket_mb=bucket_mb, dtype=dtype,
+                                   direct_min_mb=direct_min_mb)
         self.cfg, self.dtype, self.max_model_len = rollout_cfg, dtype, max_model_len
         self.backend = getattr(rollout_cfg, "name", "builtin")
         if self.backend not in BACKENDS:

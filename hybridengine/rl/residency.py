@@ -38,14 +38,16 @@ PHASE_USES: dict[str, dict[str, tuple[str, ...]]] = {
     "resume": {"actor": ("params", "optimizer"), "critic": ("params", "optimizer")},
 }
 
-_FLAGS = {"params": "param_offload", "grads": "grad_offload", "optimizer": "optimizer_offload"}
+# part -> its key under a role's `megatron` section
+OFFLOAD_FLAGS = {"params": "param_offload", "grads": "grad_offload",
+                 "optimizer": "optimizer_offload"}
 
 
 def offload_parts(megatron_cfg, has_optimizer: bool) -> tuple[str, ...]:
     """The parts a role's megatron config asks to offload (a role without an optimizer, the
     reference, only has params)."""
     parts = PARTS if has_optimizer else PARTS[:1]
-    return tuple(p for p in parts if bool(megatron_cfg.get(_FLAGS[p], False)))
+    return tuple(p for p in parts if bool(megatron_cfg.get(OFFLOAD_FLAGS[p], False)))
 
 
 class Residency:

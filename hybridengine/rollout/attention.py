@@ -185,8 +185,9 @@ def _flash_decode_agrees(device: torch.device, dtype: torch.dtype, backend: str)
         err = (outs[backend] - outs["sdpa"]).abs().max().item()
         if err < 2e-2:
             return True
-        logger.warning("%s decode attention differs from SDPA by %.3g; using SDPA", backend, err)
+        logger.warning("%s decode attention differs from SDPA by %.3g; trying the next "
+                       "backend", backend, err)
     except (RuntimeError, TypeError, ValueError) as e:
-        logger.warning("flash decode attention unavailable (%s); using SDPA",
-                       str(e).splitlines()[0])
+        logger.warning("%s decode attention unavailable (%s); trying the next backend",
+                       backend, str(e).splitlines()[0])
     return False
