@@ -11,14 +11,17 @@ set -u
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .whl/*.whl
 OUT=${OUT:-/tmp/out}; RES=/tmp/gpu_results; mkdir -p "$OUT" "$RES"
-trap 'tar -czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/session.log" "$OUT/"' EXIT
+# Pack after every run too, so a call killed at its time limit still returns what finished.
+pack() { tar -czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/session.log" "$OUT/"; }
+trap pack EXIT
 parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() { local name=$1; shift; echo "== $name: $*" | tee -a "$RES/session.log";
         timeout "${T:-300}" "$@" > "$RES/$name.json" 2> "$RES/$name.err";
-        echo "rc=$? $(tail -c 600 "$RES/$name.json")" | tee -a "$RES/session.log"; }
+        echo "rc=$? $(tail -c 600 "$RES/$name.json")" | tee -a "$RES/session.log"; pack; }
 for p in $parts; do case $p in
-  tests)   python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 | tee -a "$RES/session.log" ;;
+  tests)   timeout "${T:-300}" python3 -m pytest -q -m gpu tests/ > "$RES/tests.log" 2>&1
+           echo "rc=$?" >> "$RES/tests.log"; tail -25 "$RES/tests.log" | tee -a "$RES/session.log"; pack ;;
   model)   run model_hf python3 tools/bench_model.py --iters 10 --hf
            run model_compile python3 tools/bench_model.py --iters 10 --compile --profile ;;
   train)   run train_111 torchrun --nproc_per_node=1 tools/bench_train.py
@@ -35,8 +38,8 @@ for p in $parts; do case $p in
   megatron) run megatron python3 tools/bench_megatron.py ;;   # megatron-core wheel in .whl/
   ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            fast="--train-compile --rollout-compile --max-tokens 8192"
-           T=600 run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
-           T=600 run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
-           T=600 run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true
-           T=600 run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile ;;
+           T=${T:-600} run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
+           T=${T:-600} run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile
+           T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
+           T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
 esac; done

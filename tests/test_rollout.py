@@ -12,7 +12,7 @@ from hybridengine.parallel.mesh import Layout, build_mesh
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.kv_cache import SlotAllocator
 from hybridengine.rollout.model_runner import graph_buckets
-from hybridengine.rollout.sampling import SamplingParams
+from hybridengine.rollout.sampling import CDF_BLOCK, SamplingParams, inverse_cdf
 from hybridengine.rollout.scheduler import Scheduler, Sequence
 from model_utils import STORIES, save_tiny, tiny_hf_model
 
@@ -179,6 +179,32 @@ def test_sampling_matches_processed_distribution_chi_square():
     # the processed log-prob is the exact distribution's
     slp = torch.tensor([r.sampled_logprobs[0] for r in results[:50]])
     assert torch.allclose(slp, expected[tokens[:50]].log().float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [16, 5 * CDF_BLOCK, 1000])
+def test_inverse_cdf_matches_a_plain_cumsum_search(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    q = torch.rand(64, vocab, generator=g, dtype=torch.float64)
+    q[q < 0.3] = 0.0                                          # filtered tokens have weight 0
+    u = torch.rand(64, generator=g, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
+    cdf = q.cumsum(-1)
+    expected = torch.searchsorted(cdf, (u.unsqueeze(1) * cdf[:, -1:]))
+    assert torch.equal(inverse_cdf(q, u), expected)
+
+
+def test_inverse_cdf_never_picks_a_zero_weight_token_at_block_edges():
+    # Every block ends in a run of zero-weight tokens and every u aims at a block boundary,
+    # where rounding between block sums and the in-block cumsum decides.
+    vocab, rows = 4 * CDF_BLOCK, 200
+    g = torch.Generator().manual_seed(1)
+    q = torch.rand(rows, vocab, generator=g)
+    q.view(rows, 4, CDF_BLOCK)[:, :, CDF_BLOCK // 2:] = 0.0
+    block_cdf = q.view(rows, 4, CDF_BLOCK).sum(-1).cumsum(-1)
+    edge = torch.randint(0, 3, (rows,), generator=g)
+    u = block_cdf.gather(1, edge.unsqueeze(1)).squeeze(1) / block_cdf[:, -1]
+    u = u * (1 + torch.randint(-2, 3, (rows,), generator=g) * 1e-7)       # at, just below/above
+    tok = inverse_cdf(q, u.clamp(1e-6, 1 - 1e-6))
+    assert (q.gather(1, tok) > 0).all()
 
 
 def test_fixed_seed_reproduces_independent_of_batching(tmp_path):
