@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes (torch.multiprocessing spawn)."""
+"""Run a function on N gloo (or nccl, one GPU each) ranks in fresh processes (mp.spawn)."""
 from __future__ import annotations
 
 import os
@@ -15,11 +15,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, fn, world_size, port, args):
+def _worker(rank, fn, world_size, port, args, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -27,6 +29,7 @@ def _worker(rank, fn, world_size, port, args):
         dist.destroy_process_group()
 
 
-def run_dist(fn, world_size: int, *args) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; re-raises a rank's failure."""
-    mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+def run_dist(fn, world_size: int, *args, backend: str = "gloo") -> None:
+    """Run fn(rank, world_size, *args) on `world_size` ranks; re-raises a rank's failure."""
+    mp.spawn(_worker, args=(fn, world_size, free_port(), args, backend), nprocs=world_size,
+             join=True)

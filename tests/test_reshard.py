@@ -191,3 +191,26 @@ def test_reshard_acceptance_layouts(tmp_path):
              "qwen_tied": save_tiny(tmp_path / "qt", "qwen2", True)}
     refs = {k: _greedy(load_decoder(p), PROMPT, NUM_NEW) for k, p in paths.items()}
     run_dist(_worker, 4, paths, {k: read_model_config(p) for k, p in paths.items()}, refs)
+
+
+def _nccl_worker(rank, world, path, cfg):
+    layout, device = Layout(2, 1, 1), torch.device("cuda", rank)
+    mesh, gm = build_mesh(layout), build_gen_mesh(layout, 1)
+    train = _load(path, cfg, mesh, sequence_parallel=True).to(device)
+    one = SimpleNamespace(tp_group=None, tp_rank=0, pp=1, pp_rank=0)
+    full = _load(path, cfg, one).to(device)
+    # Direct buckets (coalesced into groups on NCCL: several per group at this bucket size),
+    # flat buckets only, and naive mode: each gives every rank the full model.
+    for mode, direct_mb in [("zero_redundancy", 1e-6), ("zero_redundancy", None), ("naive", None)]:
+        engine = HybridEngine(cfg, mesh, gm, mode=mode, bucket_mb=BUCKET_MB,
+                              direct_min_mb=direct_mb)
+        gen = engine.to_generation(train)
+        _check_gen_params(gen, full, full, layout, gm, f"nccl {mode} {direct_mb}")
+        engine.to_training()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_reshard_on_nccl_two_gpus(tmp_path):
+    path = save_tiny(tmp_path / "qu", "qwen2", False)
+    run_dist(_nccl_worker, 2, path, read_model_config(path), backend="nccl")

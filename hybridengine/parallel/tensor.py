@@ -56,6 +56,30 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = 
     return _all_gather_single(out, x, group=group, async_op=async_op)
 
 
+class _Works:
+    """Several async works waited on as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+def all_gather_flat_group(pairs: list[tuple[torch.Tensor, torch.Tensor]], group):
+    """Async all-gathers [(out, x)] issued as one coalesced group (for NCCL one group launch:
+    many mid-sized gathers then run near the bandwidth of one large one) -> a work to wait on.
+    One by one elsewhere (gloo cannot coalesce on a subgroup)."""
+    manager = getattr(dist, "_coalescing_manager", None)
+    if manager is None or len(pairs) == 1 or dist.get_backend(group) != "nccl":
+        return _Works([all_gather_flat(out, x, group, async_op=True) for out, x in pairs])
+    with manager(group=group, device=pairs[0][0].device, async_ops=True) as works:
+        for out, x in pairs:
+            _all_gather_single(out, x, group=group, async_op=True)
+    return works
+
+
 def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """[n·size, ...] on each rank -> this rank's [n, ...] block of the sum over ranks."""
     size = group_size(group)
