@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from profiling import category, kernel_table  # noqa: E402
+from profiling import category, kernel_table, owner_at, timeline  # noqa: E402
 
 
 def test_work_goes_to_the_innermost_named_range(one_thread):
@@ -30,6 +30,15 @@ def test_work_goes_to_the_innermost_named_range(one_thread):
     assert table["update"]["by_category_ms"]["gemm"] > 0
     assert [n for n, _, _ in table["decode"]["top"]][0] == "aten::cat"
     assert "aten::add" in [n for n, _, _ in table["other"]["top"]]
+
+
+def test_timeline_gives_the_innermost_span():
+    # rollout [0, 100) holds decode steps [10, 20) and [30, 40); update [100, 150) follows.
+    spans = [(0, 100, "rollout"), (30, 40, "decode"), (10, 20, "decode"), (100, 150, "update")]
+    starts, owners = timeline(spans)
+    want = {-1: None, 0: "rollout", 5: "rollout", 10: "decode", 19.9: "decode", 20: "rollout",
+            35: "decode", 40: "rollout", 99: "rollout", 100: "update", 149: "update", 150: None}
+    assert {t: owner_at(starts, owners, t) for t in want} == want
 
 
 def test_kernel_categories():

@@ -4,15 +4,18 @@
         ... code that opens record_function("update_actor"), ("decode"), ... ...
     table = kernel_table(prof, ["update_actor", "decode"])
 
-Each device kernel is charged to the innermost named range around the host op that launched it
-(its linked correlation id; a CUDA-graph replay charges every kernel of the graph to the range
-around the replay). For each range: kernel time, kernel count, time per category (gemm,
+Each device kernel is charged to the innermost named range that encloses it on the device: the
+profiler records every record_function range a second time on the GPU timeline (a "user
+annotation" spanning the range's kernels), so a CUDA-graph replay's kernels go to the range
+around the replay. Where a torch records no such annotations, a kernel goes to the range around
+the host op that launched it (its linked correlation id). For each range: kernel time, kernel count, time per category (gemm,
 attention, comm, copy, other), busy time per stream next to the range's span on the device
 (whether communication and copies overlap), and the top kernels by time. Without device kernels
 (CPU runs) host ops by self time play their part, so the tables can be tested off-GPU.
 """
 from __future__ import annotations
 
+import bisect
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -43,12 +46,46 @@ def _owner(event, ranges: set[str]) -> str | None:
     return None
 
 
+def timeline(spans: Iterable[tuple[float, float, str]]) -> tuple[list[float], list]:
+    """Nested spans (start, end, name) -> (starts, owners): from starts[i] until the next start
+    the innermost enclosing span is owners[i] (None: no span)."""
+    starts, owners, stack = [], [], []          # stack: (end, name) of the open spans
+
+    def close(until: float):
+        while stack and stack[-1][0] <= until:
+            end = stack.pop()[0]
+            starts.append(end)
+            owners.append(stack[-1][1] if stack else None)
+
+    for start, end, name in sorted(spans, key=lambda s: (s[0], -s[1])):
+        close(start)
+        stack.append((end, name))
+        starts.append(start)
+        owners.append(name)
+    close(float("inf"))
+    return starts, owners
+
+
+def owner_at(starts: list[float], owners: list, t: float):
+    i = bisect.bisect_right(starts, t) - 1
+    return owners[i] if i >= 0 else None
+
+
 def _work_items(events, ranges: set[str]):
     """(range, kernel name, start_us, end_us, stream) of every device kernel, or of every host op
     (its self time) when the run had no device kernels."""
-    host = {e.id: e for e in events if e.device_type == DeviceType.CPU}
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    annotations = [e for e in device if e.name in ranges]
+    kernels = [e for e in device if e.name not in ranges]
+    if annotations:
+        starts, owners = timeline((a.time_range.start, a.time_range.end, a.name)
+                                  for a in annotations)
+        for k in kernels:
+            yield (owner_at(starts, owners, k.time_range.start), k.name, k.time_range.start,
+                   k.time_range.end, k.device_resource_id)
+        return
     if kernels:
+        host = {e.id: e for e in events if e.device_type == DeviceType.CPU}
         for k in kernels:
             launcher = host.get(getattr(k, "linked_correlation_id", 0))
             yield (_owner(launcher, ranges), k.name, k.time_range.start, k.time_range.end,
