@@ -53,7 +53,7 @@ def test_flash_decode_bf16_logprobs_match_training_forward():
     prompts = _prompts([30, 7, 64, 1, 45], SMALL.vocab_size, seed=2)
     params = SamplingParams(n=3, max_tokens=40, seed=5)
     by_backend = {}
-    for backend in ("flash", "flash_per_head", "sdpa"):
+    for backend in ("triton", "flash", "flash_per_head", "sdpa"):
         engine = Engine(model, max_num_seqs=8, max_model_len=128, kv_cache_tokens=9 * 128,
                         attn_backend=backend)
         assert engine.runner.backend == backend

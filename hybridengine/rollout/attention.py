@@ -6,7 +6,9 @@ over the fresh packed K/V (no cached prefix exists), through the core PackedCaus
 (CUDA: flash varlen; CPU: per-sequence SDPA).
 
 DecodeContext: one new token per row; K/V written at (slot, position), then attention over the
-row's cached prefix, by one of three backends:
+row's cached prefix, by one of four backends:
+  triton split-KV flash-decoding over the flat cache (kernels/decode_attention.py): one program
+         per (row, K/V head, split of the keys) computes the G query heads of that K/V head.
   flash  flash-attention varlen with seqused_k over the flat cache: cu_seqlens_k[i] =
          slot_i·max_model_len (rows sorted by slot, so increasing), seqused_k = length. It reads
          only the used tokens. The G = h_q/h_kv query heads that share a K/V head enter as G
@@ -15,8 +17,9 @@ row's cached prefix, by one of three backends:
          computes G rows, where per-head decode reads it G times for one useful row of a
          64-row tile. Through torch.nn.attention.varlen.varlen_attn when it takes seqused_k
          (torch 2.13), else the aten flash op it wraps, whose schema has had seqused_k longer
-         (torch 2.11). `auto` checks it once against SDPA on the device before use; a mismatch
-         or an error falls back to flash_per_head, then to sdpa, with a warning.
+         (torch 2.11).
+  `auto` takes the first of AUTO_ORDER that runs and agrees with SDPA on the device (checked
+         once; a mismatch or an error tries the next, with a warning), else sdpa.
   flash_per_head  the same kernel with one query row per sequence and GQA inside the kernel
          (the comparison point for `flash`).
   sdpa   the rows' cache gathered to [B, h_kv, L, d] and a length mask; q grouped as
@@ -31,13 +34,16 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from hybridengine.kernels import decode_attention as triton_decode
 from hybridengine.models.attention import PackedCausalAttention, PackedInput
 from hybridengine.rollout.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flash", "flash_per_head", "sdpa")
+BACKENDS = ("auto", "triton", "flash", "flash_per_head", "sdpa")
 _FLASH = ("flash", "flash_per_head")
+_SEQUSED = ("triton",) + _FLASH          # backends that read the used prefix of each slot
+AUTO_ORDER = ("flash", "flash_per_head")
 
 
 def _find_flash_decode():
@@ -69,19 +75,24 @@ _FLASH_DECODE = _find_flash_decode()
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     if requested not in BACKENDS:
         raise ValueError(f"attn_backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "triton" and not triton_decode.available(device):
+        raise ValueError(f"attn_backend='triton' needs triton and CUDA (device={device})")
     usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
               and _FLASH_DECODE is not None)
+    if requested == "triton":
+        return requested
     if requested in _FLASH and not usable:
         raise ValueError(f"attn_backend={requested!r} needs CUDA, fp16/bf16 and a torch whose "
                          f"flash varlen kernel takes seqused_k (device={device}, dtype={dtype}, "
                          f"torch {torch.__version__})")
-    if requested == "sdpa" or not usable:
-        return "sdpa"
     if requested != "auto":
-        return requested
-    # auto: the first flash variant that runs and agrees with SDPA on this device and torch
-    for backend in _FLASH:
-        if _flash_decode_agrees(device, dtype, backend):
+        return requested if usable or requested == "sdpa" else "sdpa"
+    if device.type != "cuda":
+        return "sdpa"
+    # auto: the first backend that runs and agrees with SDPA on this device and torch
+    for backend in AUTO_ORDER:
+        runs = triton_decode.available(device) if backend == "triton" else usable
+        if runs and _decode_agrees(device, dtype, backend):
             return backend
     return "sdpa"
 
@@ -101,7 +112,7 @@ class DecodeContext:
         # harmless write into its own row.
         self.write_pos = positions.clamp(max=L - 1)                           # [B]
         seqlens = (positions + 1).clamp(max=L)                                 # [B]
-        if backend in _FLASH:
+        if backend in _SEQUSED:
             self.cu_q = cu_q                                                   # [B + 1]: 0..B
             self.cu_k = torch.cat([slots * L, cu_k_tail]).to(torch.int32)     # [B + 1]
             self.seqused = seqlens.to(torch.int32)
@@ -113,6 +124,10 @@ class DecodeContext:
         """q [B, h_q, d], k/v [B, h_kv, d] -> [B, h_q, d]."""
         layer = layer_idx - self.layer_start
         self.cache.write(layer, self.slots, self.write_pos, k, v)
+        if self.backend == "triton":
+            kf, vf = self.cache.flat(layer)
+            return triton_decode.decode_attention(q, kf, vf, self.slots, self.seqused,
+                                                  self.cache.max_model_len)
         if self.backend in _FLASH:
             kf, vf = self.cache.flat(layer)
             L = self.cache.max_model_len
@@ -164,9 +179,9 @@ class PrefillContext:
         return self.inner.attend(layer_idx, q, k, v)
 
 
-def _flash_decode_agrees(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
-    """Run the flash decode path once on a small cache and compare with grouped SDPA: a torch
-    whose kernel rejects the argument pattern (or computes it differently) falls back."""
+def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
+    """Run a decode backend once on a small cache and compare with grouped SDPA: a torch or
+    triton that rejects the argument pattern (or computes it differently) falls back."""
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         cache = KVCache(1, 4, 64, 2, 64, dtype, device)
