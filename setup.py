@@ -19,7 +19,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # triton: the decode-attention kernel's test runs in Triton's CPU interpreter
+        "test": ["pytest>=8", "triton>=3.1; platform_system == 'Linux'"],
         # The vLLM rollout backend (actor_rollout_ref.rollout.name=vllm), at the version it is
         # tested with. GPU: pip install -e .[vllm]
         "vllm": ["vllm==0.32.0"],

@@ -4,7 +4,8 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout reshard kernels ppo megatron
+#   parts: tests model train rollout reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
+#   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl).
 set -u
@@ -16,7 +17,9 @@ pack() { tar -czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/session.log" "$OUT/
 trap pack EXIT
 parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-run() { local name=$1; shift; echo "== $name: $*" | tee -a "$RES/session.log";
+run() { local name=$1; shift
+        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+        echo "== $name: $*" | tee -a "$RES/session.log";
         timeout "${T:-300}" "$@" > "$RES/$name.json" 2> "$RES/$name.err";
         echo "rc=$? $(tail -c 600 "$RES/$name.json")" | tee -a "$RES/session.log"; pack; }
 for p in $parts; do case $p in
@@ -30,7 +33,7 @@ for p in $parts; do case $p in
              run train_121 torchrun --nproc_per_node=2 tools/bench_train.py --pp 2
              run train_112 torchrun --nproc_per_node=2 tools/bench_train.py
            fi ;;
-  rollout) run rollout python3 tools/bench_rollout.py --hf --profile --variants flash_per_head,compile ;;
+  rollout) run rollout python3 tools/bench_rollout.py --hf --profile --variants triton,compile,triton+compile ;;
   reshard) if [ "$ngpu" -ge 2 ]; then
              run reshard torchrun --nproc_per_node=2 tools/bench_reshard.py --models 0.5b,7b --bucket-mb 64,256,1024 --profile
            fi ;;
@@ -39,6 +42,7 @@ for p in $parts; do case $p in
   ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            fast="--train-compile --rollout-compile --max-tokens 8192"
            T=${T:-600} run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
+           T=${T:-600} run ppo_seed_triton python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --set actor_rollout_ref.rollout.attn_backend=triton
            T=${T:-600} run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;

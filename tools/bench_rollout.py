@@ -184,15 +184,15 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--attn", default="auto", choices=("auto", "flash", "flash_per_head", "sdpa"))
+    ap.add_argument("--attn", default="auto", choices=("auto", "triton", "flash", "flash_per_head", "sdpa"))
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--vllm", action="store_true", help="also time the vLLM rollout backend")
     ap.add_argument("--variants", default="",
-                    help="comma list of extra engine runs to compare, each changing one knob: "
-                         "flash, flash_per_head, sdpa (decode attention), eager (no CUDA "
-                         "graphs), compile")
+                    help="comma list of extra engine runs to compare, each changing knobs: "
+                         "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
+                         "CUDA graphs), compile; '+' combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
     ap.add_argument("--tiny", "--cpu-tiny", dest="tiny", action="store_true",
@@ -227,13 +227,15 @@ def main(argv=None) -> None:
         out["speedup_vs_vllm"] = (out["ours"]["generated_tokens_per_s"]
                                   / out["vllm"]["generated_tokens_per_s"])
         log(f"vllm: {out['vllm']['generated_tokens_per_s']:.0f} generated tokens/s")
+    knobs = {"triton": {"attn": "triton"}, "flash": {"attn": "flash"},
+             "flash_per_head": {"attn": "flash_per_head"}, "sdpa": {"attn": "sdpa"},
+             "eager": {"eager": True}, "compile": {"compile": True}}
     for name in filter(None, args.variants.split(",")):
-        knob = {"flash": {"attn": "flash"}, "flash_per_head": {"attn": "flash_per_head"},
-                "sdpa": {"attn": "sdpa"}, "eager": {"eager": True},
-                "compile": {"compile": True}}.get(name)
-        if knob is None:
-            raise SystemExit(f"--variants: unknown variant {name!r} "
-                             f"(choose from flash, flash_per_head, sdpa, eager, compile)")
+        unknown = [part for part in name.split("+") if part not in knobs]
+        if unknown:
+            raise SystemExit(f"--variants: unknown variant {unknown[0]!r} "
+                             f"(choose from {', '.join(knobs)}, joined by '+')")
+        knob = {k: v for part in name.split("+") for k, v in knobs[part].items()}
         log(f"variant {name}")
         try:
             res = bench_engine(model, prompts, argparse.Namespace(**{**vars(args), **knob}),

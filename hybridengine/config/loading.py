@@ -60,6 +60,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "critic.megatron.param_dtype": _DTYPES,
     _R + "dtype": _DTYPES,
     _R + "name": ("builtin", "vllm"),
+    _R + "attn_backend": ("auto", "triton", "flash", "flash_per_head", "sdpa"),
     "reward_model.reward_manager": ("naive", "dapo"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
