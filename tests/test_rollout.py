@@ -333,15 +333,17 @@ def test_bad_inputs_one_line_errors():
         Engine(model, max_model_len=8, attn_backend="paged")
 
 
-def test_auto_backend_falls_back_flash_then_per_head_then_sdpa(monkeypatch):
-    """auto takes the grouped flash call when it agrees with SDPA on the device, else the
-    per-head call, else SDPA (the check itself runs on the GPU; here its verdicts are given)."""
+def test_auto_backend_falls_back_triton_then_flash_then_per_head_then_sdpa(monkeypatch):
+    """auto takes the Triton kernel when it agrees with SDPA on the device, else the grouped
+    flash call, else the per-head call, else SDPA (the check itself runs on the GPU; here its
+    verdicts are given)."""
     from hybridengine.rollout import attention
     monkeypatch.setattr(attention, "_FLASH_DECODE", _varlen_seqused_reference)
+    monkeypatch.setattr(attention.triton_decode, "available", lambda device: True)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    for works, expected in [({"flash", "flash_per_head"}, "flash"),
+    for works, expected in [({"triton", "flash", "flash_per_head"}, "triton"),
+                            ({"flash", "flash_per_head"}, "flash"),
                             ({"flash_per_head"}, "flash_per_head"), (set(), "sdpa")]:
-        monkeypatch.setattr(attention, "AUTO_ORDER", ("flash", "flash_per_head"))
         monkeypatch.setattr(attention, "_decode_agrees",
                             lambda device, dtype, backend, ok=works: backend in ok)
         assert attention.resolve_backend("auto", cuda, bf16) == expected
