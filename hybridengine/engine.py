@@ -200,7 +200,10 @@ class TrainEngine:
             if not self.mesh.is_last_stage:
                 return out
             loss, m = loss_fn(out, microbatches[i])
-            metrics.append({k: float(v) for k, v in m.items()})
+            # Kept as device tensors: a float() here would make the host wait for every
+            # micro-batch's forward, and the GPU idle while the host then queues the backward.
+            metrics.append({k: v.detach() if isinstance(v, torch.Tensor) else v
+                            for k, v in m.items()})
             return loss
         train_1f1b(forward_step, len(microbatches), self._activation_shape(microbatches),
                    self.comm)
@@ -226,9 +229,8 @@ class TrainEngine:
             obj = [keys]
             dist.broadcast_object_list(obj, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
             keys = obj[0]
-        vals = torch.tensor([sum(m[k] for m in metrics) / max(len(metrics), 1) for k in keys],
-                            dtype=torch.float64)
-        vals = vals.to(self.device)
+        vals = torch.stack([_mean([m[k] for m in metrics], self.device) for k in keys]) \
+            if metrics and keys else torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         if self.mesh.pp > 1:
             dist.broadcast(vals, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
         if self.mesh.dp > 1:
@@ -256,3 +258,11 @@ class TrainEngine:
     def save_hf(self, out_dir, dtype=None) -> None:
         self.require("params")
         save_hf(self.model, out_dir, self.mesh, src_dir=self.model_dir, dtype=dtype)
+
+
+def _mean(values: list, device) -> torch.Tensor:
+    """float64 mean of per-micro-batch metric values (0-d tensors or numbers) on `device`."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack([v.reshape(()).to(device, torch.float64) for v in values]).mean()
+    return torch.tensor(sum(float(v) for v in values) / len(values), dtype=torch.float64,
+                        device=device)

@@ -1,6 +1,7 @@
 """Training engine parity: 3 AdamW steps agree across (tp, pp, dp) layouts; the forward-only
 schedule at pp=2 gives the pp=1 log-probs."""
 import json
+import sys
 
 import pytest
 import torch
@@ -130,3 +131,46 @@ def test_recompute_keeps_only_layer_inputs_for_backward(tmp_path, one_thread):
     assert saved[True] < saved[False] / 4, saved
     for name, g in grads[False].items():
         assert torch.allclose(grads[True][name], g, rtol=1e-12, atol=1e-14), name
+
+
+def _host_reads_worker(rank, world, model_dir, counts):
+    """Host reads of tensor values (each a device sync on GPU) in train_step, by micro-batches."""
+    mesh = build_mesh(Layout(1, 1, 1))
+    engine = TrainEngine(model_dir, mesh, optim=OPTIM)
+    reads = {"n": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in ("__float__", "item", "tolist")}
+
+    def counting(name):
+        def read(self, *a, **kw):
+            # CPU attention reads each micro-batch's sequence bounds; CUDA's varlen kernel not
+            if sys._getframe(1).f_code.co_name != "_per_sequence":
+                reads["n"] += 1
+            return originals[name](self, *a, **kw)
+        return read
+    for num_micro in (2, 8):
+        seqs = _sequences(0)[:num_micro]
+        mbs = [MicroBatch(PackedInput.from_lengths(s, [len(s)]),
+                          {"targets": torch.roll(s, -1)}) for s in seqs]
+
+        def loss_fn(out, mb):
+            loss = -out["logprob"].mean()
+            return loss, {"loss": loss.detach(), "tokens": float(mb.num_tokens)}
+        reads["n"] = 0
+        for name in originals:
+            setattr(torch.Tensor, name, counting(name))
+        try:
+            engine.train_step(mbs, loss_fn)
+        finally:
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+        counts.append(reads["n"])
+    torch.save(counts, f"{model_dir}/reads.pt")
+
+
+def test_train_step_reads_no_values_per_micro_batch(tmp_path):
+    """Metrics stay on the device until the step ends: the host reads as many values for 8
+    micro-batches as for 2 (on GPU a read per micro-batch would stall the queue every time)."""
+    model_dir = save_tiny(tmp_path / "m", "qwen2", tied=False)
+    run_dist(_host_reads_worker, 1, str(model_dir), [])
+    two, eight = torch.load(f"{model_dir}/reads.pt")
+    assert two == eight, (two, eight)
