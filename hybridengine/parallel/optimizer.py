@@ -307,8 +307,11 @@ class DistributedOptimizer:
             if self.zero:
                 full = torch.empty(b.numel, dtype=dtype, device=b.master.device)
                 all_gather_flat(full, b.master.to(dtype), self.dp_group)
-            for e in b.entries:
-                e.param.view(-1).copy_(full[e.start:e.stop])
+            if full.dtype != dtype:
+                full = full.to(dtype)
+            # One multi-tensor copy per bucket instead of a kernel launch per parameter.
+            torch._foreach_copy_([e.param.view(-1) for e in b.entries],
+                                 [full[e.start:e.stop] for e in b.entries])
 
     # --- state --------------------------------------------------------------------------------
     def memory_bytes(self) -> int:
