@@ -23,6 +23,7 @@ is how CI checks them against SDPA.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -37,7 +38,6 @@ MIN_GROUP_ROWS = 16          # tl.dot needs at least 16 rows: the G query heads 
 
 
 def available(device: torch.device) -> bool:
-    import os
     if triton is None:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,7 +48,8 @@ if triton is not None:
     def _split_kernel(Q, K, V, Slots, Seqlens, Out, Lse, max_len, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      PRECISION: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
@@ -71,14 +72,15 @@ if triton is not None:
             rows = slot * max_len + pos
             kv_off = rows[:, None] * stride_kt + j * stride_kh + dd[None, :]
             k = tl.load(K + kv_off, mask=p_ok[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale            # [BLOCK_G, BLOCK_N]
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
             qk = tl.where(p_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)            # m_new is finite: every tile has a valid key
             p = tl.exp(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=p_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
         # An empty split (start >= seqlen) leaves l_i = 0: output 0, log-sum-exp -inf.
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -137,7 +139,9 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         q, k_flat, v_flat, slots, seqlens, out, lse, max_len, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1),
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits)
+        BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits,
+        # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     result = torch.empty_like(q)
     _merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
                              SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=d)

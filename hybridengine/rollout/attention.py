@@ -18,12 +18,12 @@ row's cached prefix, by one of four backends:
          64-row tile. Through torch.nn.attention.varlen.varlen_attn when it takes seqused_k
          (torch 2.13), else the aten flash op it wraps, whose schema has had seqused_k longer
          (torch 2.11).
-  `auto` takes the first of AUTO_ORDER that runs and agrees with SDPA on the device (checked
-         once; a mismatch or an error tries the next, with a warning), else sdpa.
   flash_per_head  the same kernel with one query row per sequence and GQA inside the kernel
          (the comparison point for `flash`).
   sdpa   the rows' cache gathered to [B, h_kv, L, d] and a length mask; q grouped as
          [B, h_kv, h_q/h_kv, d] so that no K/V head is repeated. The CPU path; a CUDA fallback.
+`auto` (on CUDA in fp16/bf16) takes the first of AUTO_ORDER that runs and agrees with SDPA on
+the device (checked once; a mismatch or an error tries the next, with a warning), else sdpa.
 Shapes are static given (rows, max_k), so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -79,8 +79,8 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
         raise ValueError(f"attn_backend={requested!r} is not one of {', '.join(BACKENDS)}")
     if requested == "triton" and not triton_decode.available(device):
         raise ValueError(f"attn_backend='triton' needs triton and CUDA (device={device})")
-    usable = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-              and _FLASH_DECODE is not None)
+    half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    usable = half and _FLASH_DECODE is not None
     if requested == "triton":
         return requested
     if requested in _FLASH and not usable:
@@ -88,12 +88,10 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
                          f"flash varlen kernel takes seqused_k (device={device}, dtype={dtype}, "
                          f"torch {torch.__version__})")
     if requested != "auto":
-        return requested if usable or requested == "sdpa" else "sdpa"
-    if device.type != "cuda":
-        return "sdpa"
+        return requested
     # auto: the first backend that runs and agrees with SDPA on this device and torch
     for backend in AUTO_ORDER:
-        runs = triton_decode.available(device) if backend == "triton" else usable
+        runs = half and triton_decode.available(device) if backend == "triton" else usable
         if runs and _decode_agrees(device, dtype, backend):
             return backend
     return "sdpa"
