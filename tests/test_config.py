@@ -2,8 +2,11 @@
 import fnmatch
 import logging
 import shlex
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from omegaconf import OmegaConf
 
 from hybridengine.config import derive_layout, load_config, validate_config
 from hybridengine.config.checks import RANGES
@@ -190,6 +193,25 @@ def test_algorithm_presets_layer_over_the_recipe():
     assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_agg_mode) == (0.2, 0.28, "token-mean")
     assert dapo.algorithm.filter_groups.enable and dapo.reward_model.overlong_buffer.enable
     assert layout.critic is None and layout.ref is None
+
+
+def test_fast_gpu_layer_matches_the_benchmark():
+    """configs/fast_gpu.yaml holds the settings tools/bench_ppo.py measures (bench/RESULTS.md)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from bench_ppo import overrides
+    fast = load_config(RECIPE + ["--config", "configs/fast_gpu.yaml"])
+    validate_config(fast, world_size=1)
+    args = SimpleNamespace(algo="ppo", workload="seed", rollout_compile=True, train_compile=True,
+                           max_tokens=8192, warmup=0, steps=1, profile=False)
+    bench = load_config(RECIPE + overrides(args, Path("m"), Path("d.jsonl"), Path("out")))
+    for key in ["actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.use_torch_compile",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz",
+                "critic.ppo_max_token_len_per_gpu", "critic.use_torch_compile",
+                "actor_rollout_ref.rollout.enforce_eager", "actor_rollout_ref.rollout.compile",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]:
+        assert OmegaConf.select(fast, key) == OmegaConf.select(bench, key), key
 
 
 def _tp_pp(tp, pp):
