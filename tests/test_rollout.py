@@ -398,3 +398,29 @@ def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_compiled_prefill_equals_eager_and_falls_back(monkeypatch, caplog):
+    """compile_prefill (aot_eager here: the trace, not inductor's kernels) gives eager's tokens
+    and log-probs across prefills of different shapes; a prefill that fails to compile runs
+    eagerly from then on, with one warning."""
+    model = load_decoder(STORIES)
+    prompts = _prompts([5, 17, 2, 9, 30, 4], 512, seed=7)
+    plain, _ = _greedy(model, prompts, max_num_seqs=3)          # several prefills of new shapes
+    compiled, engine = _greedy(model, prompts, max_num_seqs=3, compile_prefill="aot_eager")
+    assert [r.token_ids for r in compiled] == [r.token_ids for r in plain]
+    assert all(abs(a - b) < 1e-5 for x, y in zip(compiled, plain)
+               for a, b in zip(x.logprobs, y.logprobs))
+    assert engine.runner.prefill_compiled
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("inductor says no")
+        return run
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING", logger="hybridengine.rollout.model_runner"):
+        fallback, engine = _greedy(model, prompts, max_num_seqs=3, compile_prefill=True)
+    assert [r.token_ids for r in fallback] == [r.token_ids for r in plain]
+    assert not engine.runner.prefill_compiled
+    assert sum("compiled prefill failed (RuntimeError: inductor says no)" in r.message
+               for r in caplog.records) == 1

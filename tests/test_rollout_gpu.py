@@ -81,3 +81,6 @@ def test_compiled_decode_matches_eager_fp32():
     plain, _ = _greedy(model, prompts, ())
     compiled, _ = _greedy(model, prompts, (), compile=True)
     assert [r.token_ids for r in compiled] == [r.token_ids for r in plain]
+    both, engine = _greedy(model, prompts, (), compile=True, compile_prefill=True)
+    assert engine.runner.prefill_compiled, "the compiled prefill fell back to eager"
+    assert [r.token_ids for r in both] == [r.token_ids for r in plain]

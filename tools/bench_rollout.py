@@ -61,7 +61,8 @@ def bench_engine(model, prompts, args, device) -> dict:
     engine = Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
                     kv_cache_tokens=(args.batch + 1) * max_len,
                     max_prefill_tokens=max(args.max_prefill_tokens, max_len),
-                    enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile)
+                    enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,
+                    compile_prefill=args.compile_prefill)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
@@ -187,12 +188,15 @@ def parse_args(argv=None):
     ap.add_argument("--attn", default="auto", choices=("auto", "triton", "flash", "flash_per_head", "sdpa"))
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="torch.compile the prefill forward")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--vllm", action="store_true", help="also time the vLLM rollout backend")
     ap.add_argument("--variants", default="",
                     help="comma list of extra engine runs to compare, each changing knobs: "
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
-                         "CUDA graphs), compile; '+' combines them (triton+compile)")
+                         "CUDA graphs), compile, compile_prefill; '+' combines them "
+                         "(triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
     ap.add_argument("--tiny", "--cpu-tiny", dest="tiny", action="store_true",
@@ -229,7 +233,8 @@ def main(argv=None) -> None:
         log(f"vllm: {out['vllm']['generated_tokens_per_s']:.0f} generated tokens/s")
     knobs = {"triton": {"attn": "triton"}, "flash": {"attn": "flash"},
              "flash_per_head": {"attn": "flash_per_head"}, "sdpa": {"attn": "sdpa"},
-             "eager": {"eager": True}, "compile": {"compile": True}}
+             "eager": {"eager": True}, "compile": {"compile": True},
+             "compile_prefill": {"compile_prefill": True}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

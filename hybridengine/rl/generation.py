@@ -88,6 +88,8 @@ class Generator:
                                  max_prefill_tokens=max(16384, self.max_model_len),
                                  enforce_eager=c.enforce_eager or dev.type != "cuda",
                                  compile=bool(c.get("compile", False)) and dev.type == "cuda",
+                                 compile_prefill=bool(c.get("compile_prefill", False))
+                                 and dev.type == "cuda",
                                  attn_backend=c.get("attn_backend", "auto"),
                                  device=dev, dtype=self.dtype)
         return self.engine

@@ -83,15 +83,17 @@ class Engine:
 
     KV budget: kv_cache_tokens (a token count), else on CUDA gpu_memory_utilization (share of
     device memory for everything this process holds while generating), else max_num_seqs rows.
-    enforce_eager=False captures decode graphs on CUDA. attn_backend: auto | flash |
+    enforce_eager=False captures decode graphs on CUDA. attn_backend: auto | triton | flash |
     flash_per_head | sdpa (rollout.attention).
-    compile=True runs the decode step through torch.compile (inductor) before capture.
+    compile=True runs the decode step through torch.compile (inductor) before capture;
+    compile_prefill=True the prefill forward too (dynamic shapes; eager again if it fails).
     """
 
     def __init__(self, model, max_num_seqs: int = 256, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_prefill_tokens: int = 16384, enforce_eager: bool = False,
-                 attn_backend: str = "auto", compile: bool | str = False, device=None,
+                 attn_backend: str = "auto", compile: bool | str = False,
+                 compile_prefill: bool | str = False, device=None,
                  dtype: torch.dtype | None = None):
         max_model_len = max_model_len or model.cfg.max_position_embeddings
         _check_model(model, device, dtype)
@@ -107,7 +109,7 @@ class Engine:
         self.model, self.max_model_len = model, max_model_len
         self.runner = ModelRunner(model, max_num_seqs, max_model_len, max_prefill_tokens,
                                   kv_cache_tokens, gpu_memory_utilization, enforce_eager,
-                                  attn_backend, compile)
+                                  attn_backend, compile, compile_prefill)
         self.max_prefill_tokens = max_prefill_tokens
         # Steps whose finished flags are read only after the next step is queued: 1 on CUDA
         # (the host never waits for the step it just launched); tests set 1 on CPU too.

@@ -18,6 +18,8 @@ them to the host once per generate call.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.profiler import record_function
 
@@ -27,6 +29,8 @@ from hybridengine.rollout.attention import DecodeContext, PrefillContext, resolv
 from hybridengine.rollout.kv_cache import KVCache, kv_bytes_per_token, plan_num_slots
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample, uniforms
 from hybridengine.rollout.scheduler import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def graph_buckets(max_rows: int) -> list[int]:
@@ -63,7 +67,8 @@ class Pending:
 class ModelRunner:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, max_prefill_tokens: int,
                  kv_cache_tokens: int | None, gpu_memory_utilization: float | None,
-                 enforce_eager: bool, attn_backend: str, compile: bool | str = False):
+                 enforce_eager: bool, attn_backend: str, compile: bool | str = False,
+                 compile_prefill: bool | str = False):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -85,6 +90,13 @@ class ModelRunner:
         if compile:
             backend = compile if isinstance(compile, str) else "inductor"
             self._decode_body = torch.compile(self._decode_hidden, backend=backend)
+        # Optionally the prefill forward too (dynamic shapes: every prefill packs a different
+        # number of tokens and prompts). A failure to compile falls back to eager, once.
+        self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
+        if compile_prefill:
+            backend = compile_prefill if isinstance(compile_prefill, str) else "inductor"
+            self._prefill_body = torch.compile(self._prefill_hidden, backend=backend,
+                                               dynamic=True)
         self.backend = resolve_backend(attn_backend, self.device, self.dtype)
         self.cache: KVCache | None = None
         # sampler parameters: device tensors, so that one graph serves every value
@@ -261,11 +273,24 @@ class ModelRunner:
         self.max_gen[slots] = self._h2d([s.max_gen for s in seqs])
         self.active[slots] = True
         with torch.no_grad(), record_function("prefill"):
-            h = self.model(packed, attn_ctx=ctx)                               # [T, H]
+            h = self._prefill_forward(packed, ctx)                             # [T, H]
             h = h.index_select(0, self._h2d(plan["last"]))                     # [prompts, H]
             h = h.index_select(0, self._h2d(plan["row_prompt"]))               # [seqs, H]
             fin = self._sample_and_commit(slots, self.positions[slots], h)
         return Pending([s.slot for s in seqs], fin)
+
+    def _prefill_hidden(self, packed: PackedInput, ctx: PrefillContext) -> torch.Tensor:
+        return self.model(packed, attn_ctx=ctx)
+
+    def _prefill_forward(self, packed: PackedInput, ctx: PrefillContext) -> torch.Tensor:
+        if self.prefill_compiled:
+            try:
+                return self._prefill_body(packed, ctx)
+            except Exception as e:  # noqa: BLE001 - any compile failure: eager from now on
+                logger.warning("compiled prefill failed (%s: %s); prefill runs eagerly",
+                               type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.prefill_compiled = False
+        return self._prefill_hidden(packed, ctx)
 
     def decode(self, slots: list[int], max_k: int) -> Pending:
         """One token for each running slot (sorted). max_k bounds the keys read (eager only)."""
