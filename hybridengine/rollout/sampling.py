@@ -10,10 +10,11 @@ two log-probabilities:
 
 Randomness is counter-based: the uniform that draws the token at position p of sequence i is a
 32-bit integer hash of (key_i, p), key_i = hash(seed, i), turned into a sample by inverse-CDF
-search (`inverse_cdf`: a search over block sums, then inside one block). So a sample depends only on (seed, sequence index, position)
-and the logits: never on batch composition, slot, schedule or tensor-parallel rank; the same
-code runs inside a CUDA graph (no generator state); every rank of a generation-TP group, which
-sees the same gathered logits, draws the same token without communication.
+search (`inverse_cdf`: a search over block sums, then inside one block). So a sample depends
+only on (seed, sequence index, position) and the logits: never on batch composition, slot,
+schedule or tensor-parallel rank; the same code runs inside a CUDA graph (no generator state);
+every rank of a generation-TP group, which sees the same gathered logits, draws the same token
+without communication.
 """
 from __future__ import annotations
 
