@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -199,6 +200,8 @@ def parse_args(argv=None):
                          "(triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
+    ap.add_argument("--out", default=None,
+                    help="also write the JSON here, rewritten after every part")
     ap.add_argument("--tiny", "--cpu-tiny", dest="tiny", action="store_true",
                     help="CPU smoke run: tiny model, batch 4, prompt 16, 8 new tokens")
     args = ap.parse_args(argv)
@@ -206,6 +209,12 @@ def parse_args(argv=None):
         args.batch, args.prompt_len = min(args.batch, 4), min(args.prompt_len, 16)
         args.new_tokens = min(args.new_tokens, 8)
     return args
+
+
+def save(out: dict, path: str | None) -> None:
+    """Rewrite the JSON so far (a run cut short by a time limit keeps what finished)."""
+    if path:
+        Path(path).write_text(json.dumps(out, indent=1))
 
 
 def main(argv=None) -> None:
@@ -226,11 +235,21 @@ def main(argv=None) -> None:
                         "top_k": args.top_k},
            "ours": bench_engine(model, prompts, args, device)}
     log(f"ours: {out['ours']['generated_tokens_per_s']:.0f} generated tokens/s")
+    save(out, args.out)
     if args.vllm:
         out["vllm"] = bench_vllm(cfg, model, prompts, args, dtype)
         out["speedup_vs_vllm"] = (out["ours"]["generated_tokens_per_s"]
                                   / out["vllm"]["generated_tokens_per_s"])
         log(f"vllm: {out['vllm']['generated_tokens_per_s']:.0f} generated tokens/s")
+        save(out, args.out)
+    if args.hf:       # before the variants: the same-run peer must not wait on them
+        out["hf"] = bench_hf(cfg, prompts, args, device, dtype)
+        out["speedup_vs_hf"] = (out["ours"]["generated_tokens_per_s"]
+                                / out["hf"]["generated_tokens_per_s"])
+        log(f"hf: {out['hf']['generated_tokens_per_s']:.0f} generated tokens/s")
+        if cuda:
+            torch.cuda.empty_cache()
+        save(out, args.out)
     knobs = {"triton": {"attn": "triton"}, "flash": {"attn": "flash"},
              "flash_per_head": {"attn": "flash_per_head"}, "sdpa": {"attn": "sdpa"},
              "eager": {"eager": True}, "compile": {"compile": True},
@@ -248,14 +267,7 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         out.setdefault("variants", {})[name] = res
-    if args.hf:
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
-        out["hf"] = bench_hf(cfg, prompts, args, device, dtype)
-        out["speedup_vs_hf"] = (out["ours"]["generated_tokens_per_s"]
-                                / out["hf"]["generated_tokens_per_s"])
-        log(f"hf: {out['hf']['generated_tokens_per_s']:.0f} generated tokens/s")
+        save(out, args.out)
     print(json.dumps(out, indent=1))
 
 
