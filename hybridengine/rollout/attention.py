@@ -113,9 +113,10 @@ class DecodeContext:
         self.write_pos = positions.clamp(max=L - 1)                           # [B]
         seqlens = (positions + 1).clamp(max=L)                                 # [B]
         if backend in _SEQUSED:
-            self.cu_q = cu_q                                                   # [B + 1]: 0..B
-            self.cu_k = torch.cat([slots * L, cu_k_tail]).to(torch.int32)     # [B + 1]
             self.seqused = seqlens.to(torch.int32)
+            if backend in _FLASH:        # the varlen call's sequence bounds (triton takes slots)
+                self.cu_q = cu_q                                               # [B + 1]: 0..B
+                self.cu_k = torch.cat([slots * L, cu_k_tail]).to(torch.int32) # [B + 1]
         else:
             cols = torch.arange(max_k, device=slots.device)
             self.mask = (cols < seqlens.unsqueeze(1))[:, None, None, :]      # [B, 1, 1, max_k]
