@@ -345,11 +345,17 @@ def test_auto_backend_falls_back_triton_then_flash_then_per_head_then_sdpa(monke
                             ({"flash", "flash_per_head"}, "flash"),
                             ({"flash_per_head"}, "flash_per_head"), (set(), "sdpa")]:
         monkeypatch.setattr(attention, "_decode_agrees",
-                            lambda device, dtype, backend, ok=works: backend in ok)
+                            lambda device, dtype, backend, heads, ok=works: backend in ok)
         assert attention.resolve_backend("auto", cuda, bf16) == expected
     assert attention.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
     with pytest.raises(ValueError, match="attn_backend='flash_per_head' needs CUDA"):
         attention.resolve_backend("flash_per_head", torch.device("cpu"), torch.float32)
+    # a head shape the Triton kernel does not take (stories260K: head_dim 8) skips it
+    monkeypatch.setattr(attention, "_decode_agrees",
+                        lambda device, dtype, backend, heads: True)
+    assert attention.resolve_backend("auto", cuda, bf16, (8, 4, 8)) == "flash"
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16"):
+        attention.resolve_backend("triton", cuda, bf16, (8, 4, 8))
 
 
 TRITON_CHECK = """

@@ -104,6 +104,12 @@ if triton is not None:
         tl.store(Result + bh * HEAD_DIM + dd, res.to(Result.dtype.element_ty))
 
 
+def supports(q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel handles this head shape (GQA groups; a power-of-two head_dim >= 16,
+    the smallest tile tl.dot takes)."""
+    return q_heads % kv_heads == 0 and head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -126,7 +132,7 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     """See the module doc. seqlens >= 1 for every row (padding rows attend to their own slot)."""
     B, hq, d = q.shape
     hkv = k_flat.shape[1]
-    if hq % hkv or d & (d - 1) or d < 16:
+    if not supports(hq, hkv, d):
         raise ValueError(f"triton decode attention needs h_q % h_kv == 0 and a power-of-two "
                          f"head_dim >= 16 (h_q={hq}, h_kv={hkv}, head_dim={d})")
     group = hq // hkv

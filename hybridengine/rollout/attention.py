@@ -74,11 +74,16 @@ def _find_flash_decode():
 _FLASH_DECODE = _find_flash_decode()
 
 
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
+                    heads: tuple[int, int, int] = (8, 2, 64)) -> str:
+    """The decode backend for a model whose rank holds heads = (q heads, K/V heads, head_dim)."""
     if requested not in BACKENDS:
         raise ValueError(f"attn_backend={requested!r} is not one of {', '.join(BACKENDS)}")
     if requested == "triton" and not triton_decode.available(device):
         raise ValueError(f"attn_backend='triton' needs triton and CUDA (device={device})")
+    if requested == "triton" and not triton_decode.supports(*heads):
+        raise ValueError(f"attn_backend='triton' needs q heads divisible by K/V heads and a "
+                         f"power-of-two head_dim >= 16 (q, kv heads, head_dim = {heads})")
     half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     usable = half and _FLASH_DECODE is not None
     if requested == "triton":
@@ -89,10 +94,11 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
                          f"torch {torch.__version__})")
     if requested != "auto":
         return requested
-    # auto: the first backend that runs and agrees with SDPA on this device and torch
+    # auto: the first backend that runs and agrees with SDPA on this device, torch and shape
     for backend in AUTO_ORDER:
-        runs = half and triton_decode.available(device) if backend == "triton" else usable
-        if runs and _decode_agrees(device, dtype, backend):
+        runs = (half and triton_decode.available(device) and triton_decode.supports(*heads)
+                if backend == "triton" else usable)
+        if runs and _decode_agrees(device, dtype, backend, heads):
             return backend
     return "sdpa"
 
@@ -180,16 +186,19 @@ class PrefillContext:
         return self.inner.attend(layer_idx, q, k, v)
 
 
-def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
-    """Run a decode backend once on a small cache and compare with grouped SDPA: a torch or
-    triton that rejects the argument pattern (or computes it differently) falls back."""
+def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str,
+                   heads: tuple[int, int, int] = (8, 2, 64)) -> bool:
+    """Run a decode backend once on a small cache of the model's head shape and compare with
+    grouped SDPA: a torch or triton that rejects the argument pattern (or computes it
+    differently) falls back."""
+    hq, hkv, d = heads
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
-        cache = KVCache(1, 4, 64, 2, 64, dtype, device)
+        cache = KVCache(1, 4, 64, hkv, d, dtype, device)
         for t in cache.k + cache.v:
             t.copy_(torch.randn(t.shape, generator=g).to(device, dtype))
-        q = torch.randn(3, 8, 64, generator=g).to(device, dtype)
-        k_new = torch.randn(3, 2, 64, generator=g).to(device, dtype)
+        q = torch.randn(3, hq, d, generator=g).to(device, dtype)
+        k_new = torch.randn(3, hkv, d, generator=g).to(device, dtype)
         slots = torch.tensor([0, 2, cache.scratch_slot], device=device)
         pos = torch.tensor([37, 5, 0], device=device)
         cu_q = torch.arange(4, dtype=torch.int32, device=device)

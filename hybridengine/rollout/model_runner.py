@@ -97,7 +97,9 @@ class ModelRunner:
             backend = compile_prefill if isinstance(compile_prefill, str) else "inductor"
             self._prefill_body = torch.compile(self._prefill_hidden, backend=backend,
                                                dynamic=True)
-        self.backend = resolve_backend(attn_backend, self.device, self.dtype)
+        c = model.cfg
+        heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
+        self.backend = resolve_backend(attn_backend, self.device, self.dtype, heads)
         self.cache: KVCache | None = None
         # sampler parameters: device tensors, so that one graph serves every value
         self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
