@@ -406,6 +406,59 @@ def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+SAMPLER_CHECK = """
+import os, torch
+os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
+from hybridengine.kernels.sampler import sample_temperature
+from hybridengine.rollout.sampling import SamplerMode, sample_torch, uniforms
+torch.manual_seed(0)
+keys = torch.randint(0, 2**32, (64,), dtype=torch.int64)
+u = uniforms(keys, torch.arange(64))
+# 1000: a partial last block, one chunk; 5000: three chunks with maxima far apart
+for V, spread in ((1000, 3.0), (5000, 12.0)):
+    z = torch.randn(64, V) * spread
+    z[:, : V // 3] -= 20.0                      # the chunks' maxima differ by ~20 nats
+    for T in (1.0, 0.7):
+        mode = SamplerMode(False, 0, False, T != 1.0)
+        temp = torch.tensor([T])
+        for dtype in (torch.float32, torch.float16):
+            x = z.to(dtype)
+            tok, lp, slp = sample_temperature(x, temp, u, scaled=T != 1.0)
+            rtok, rlp, rslp = sample_torch(x, mode, temp, torch.ones(1), u)
+            assert tok.dtype == torch.int64 and torch.equal(tok, rtok), (V, T, dtype)
+            assert (lp - rlp).abs().max() < 1e-5 and (slp - rslp).abs().max() < 1e-5
+# the draw's distribution: 1500 draws from one row against softmax(z / 0.7), chi-square over
+# 8 tokens spread across two blocks (the rest has weight ~0)
+z = torch.full((136,), -40.0)
+live = torch.tensor([0, 5, 60, 127, 128, 130, 131, 135])
+z[live] = torch.tensor([2.0, 1.5, 0.3, -1.0, 0.0, 1.0, -0.5, 0.7])
+n = 1500
+tok, _, slp = sample_temperature(z.expand(n, -1), torch.tensor([0.7]),
+                                 uniforms(torch.full((n,), 12345), torch.arange(n)))
+p = torch.softmax(z.double() / 0.7, -1)
+counts = torch.bincount(tok, minlength=136).double()
+assert counts.sum() == counts[live].sum()
+stat = ((counts[live] - n * p[live]) ** 2 / (n * p[live])).sum().item()
+q = torch.special.gammaincc(torch.tensor(7 / 2, dtype=torch.float64),
+                            torch.tensor(stat / 2, dtype=torch.float64)).item()
+assert q > 1e-3, (stat, q)
+assert torch.allclose(slp.double(), p[tok].log(), atol=1e-5)
+print("ok")
+"""
+
+
+def test_fused_sampler_matches_the_torch_sampler_in_the_interpreter():
+    """The Triton temperature sampler (kernels/sampler.py) draws the torch sampler's tokens
+    from the same uniforms, with its log-probs, over partial blocks and several chunks, fp32
+    and fp16 logits; its draws follow softmax(z / T) (chi-square)."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", SAMPLER_CHECK], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def test_compiled_prefill_equals_eager_and_falls_back(monkeypatch, caplog):
     """compile_prefill (aot_eager here: the trace, not inductor's kernels) gives eager's tokens
     and log-probs across prefills of different shapes; a prefill that fails to compile runs

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
+from hybridengine.kernels import sampler as fused_sampler  # noqa: E402
 from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -66,6 +67,7 @@ def bench_engine(model, prompts, args, device) -> dict:
                     compile_prefill=args.compile_prefill)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    engine.runner.fused_sampler = args.sampler != "torch"
     log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
     t0 = time.perf_counter()
     engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
@@ -90,6 +92,7 @@ def bench_engine(model, prompts, args, device) -> dict:
                                       "num_decode_steps", "attn_backend", "cuda_graphs",
                                       "num_slots")})
     out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
+    out["fused_sampler"] = engine.runner.fused_sampler and fused_sampler.available(device)
     if getattr(args, "profile", False):
         out["profile"] = profile_generate(engine, prompts, params)
     engine.free_cache()
@@ -187,6 +190,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--attn", default="auto", choices=("auto", "triton", "flash", "flash_per_head", "sdpa"))
+    ap.add_argument("--sampler", default="auto", choices=("auto", "torch"),
+                    help="auto: the fused Triton temperature sampler where it runs")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -196,7 +201,8 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="",
                     help="comma list of extra engine runs to compare, each changing knobs: "
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
-                         "CUDA graphs), compile, compile_prefill; '+' combines them "
+                         "CUDA graphs), compile, compile_prefill, torch_sampler; '+' combines "
+                         "them "
                          "(triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -253,7 +259,7 @@ def main(argv=None) -> None:
     knobs = {"triton": {"attn": "triton"}, "flash": {"attn": "flash"},
              "flash_per_head": {"attn": "flash_per_head"}, "sdpa": {"attn": "sdpa"},
              "eager": {"eager": True}, "compile": {"compile": True},
-             "compile_prefill": {"compile_prefill": True}}
+             "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

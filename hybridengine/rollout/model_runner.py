@@ -100,6 +100,9 @@ class ModelRunner:
         c = model.cfg
         heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
         self.backend = resolve_backend(attn_backend, self.device, self.dtype, heads)
+        # the fused Triton temperature sampler where it runs (benchmarks turn it off to
+        # compare; set before the first decode graph is captured)
+        self.fused_sampler = True
         self.cache: KVCache | None = None
         # sampler parameters: device tensors, so that one graph serves every value
         self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
@@ -255,7 +258,8 @@ class ModelRunner:
     def _sample_and_commit(self, slots, positions, h) -> torch.Tensor:
         logits = self._logits(h)
         u = uniforms(self.keys[slots], positions + 1)
-        tok, lp, slp = sample(logits, self.mode, self.temperature, self.top_p, u)
+        tok, lp, slp = sample(logits, self.mode, self.temperature, self.top_p, u,
+                              self.fused_sampler)
         return self._commit(slots, tok, lp, slp)
 
     def prefill(self, seqs: list[Sequence]) -> Pending:

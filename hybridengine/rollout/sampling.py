@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from hybridengine.kernels import sampler as fused_sampler
+
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B     # < 2^27: (x < 2^32) * _MUL stays below 2^63, so int64 never overflows
 MAX_STOP_TOKENS = 16
@@ -153,14 +155,25 @@ def _filter(z: torch.Tensor, mode: SamplerMode, top_p: torch.Tensor) -> torch.Te
 
 
 def sample(logits: torch.Tensor, mode: SamplerMode, temperature: torch.Tensor,
-           top_p: torch.Tensor, u: torch.Tensor):
+           top_p: torch.Tensor, u: torch.Tensor, fused: bool = True):
     """logits [B, V] (any float dtype); temperature, top_p [1] device tensors (graph-safe);
     u [B] uniforms. Returns (tokens [B] int64, logprobs [B] fp32, sampled_logprobs [B] fp32).
     Static shapes and no host synchronisation.
 
     Few passes over [B, V] (the decode step's largest tensors at vocab 151936): softmax reads
     the logits in their own dtype and writes fp32 probabilities once; log-probs are logs of
-    gathered probabilities (fp32 relative error ~1e-7, so ~1e-7 absolute in the log)."""
+    gathered probabilities (fp32 relative error ~1e-7, so ~1e-7 absolute in the log).
+    Temperature sampling without top-k / top-p (RL's usual setting) takes the fused Triton
+    kernels where they run (kernels/sampler.py: two passes, the same draw) unless fused=False."""
+    if fused and not (mode.greedy or mode.top_k or mode.top_p) and \
+            fused_sampler.available(logits.device):
+        return fused_sampler.sample_temperature(logits, temperature, u, scaled=mode.scaled)
+    return sample_torch(logits, mode, temperature, top_p, u)
+
+
+def sample_torch(logits: torch.Tensor, mode: SamplerMode, temperature: torch.Tensor,
+                 top_p: torch.Tensor, u: torch.Tensor):
+    """sample() in plain torch ops: every mode, any device."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)             # [B, V], T = 1
     if mode.greedy:
         tok = logits.argmax(-1)
