@@ -361,11 +361,16 @@ def test_auto_backend_falls_back_triton_then_flash_then_per_head_then_sdpa(monke
 TRITON_CHECK = """
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
+import hybridengine.kernels.decode_attention as da
 from hybridengine.kernels.decode_attention import decode_attention
 from hybridengine.rollout.attention import grouped_sdpa
 torch.manual_seed(0)
 S, L, hkv, G, d = 5, 200, 2, 7, 64
-for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+# 64 "SMs": several splits (empty ones too) and the merge; 1: one split, no merge
+for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
+                        (torch.float32, 1e-5, 1), (torch.float16, 2e-3, 1)):
+    da._num_sms = lambda device, n=sms: n
+    assert (da.split_len(4, hkv, L, sms) < L) == (sms > 1)
     k, v = (torch.randn(S + 1, L, hkv, d).to(dtype) for _ in range(2))
     slots = torch.tensor([3, 0, 4, 5])
     seqlens = torch.tensor([1, 200, 77, 130], dtype=torch.int32)   # one key .. the whole row

@@ -13,7 +13,8 @@ where reading the ~84 MB of K/V at HBM bandwidth takes ~18 µs: decode attention
 step. Here one program handles one (row, K/V head, split of the keys): the G = h_q/h_kv query
 heads sharing the K/V head are the rows of one tile, so each K/V byte is read once per step,
 and the keys are cut into splits so that even a small batch fills the GPU. The splits' partial
-results (normalised output and log-sum-exp) are merged by a second small kernel. Shapes depend
+results (normalised output and log-sum-exp) are merged by a second small kernel; a batch large
+enough to fill the GPU alone runs one split, which writes the final output. Shapes depend
 only on (B, max_model_len), so the step can be captured in a CUDA graph.
 
 Triton is optional: `available()` says whether it can run here. On CPU, TRITON_INTERPRET=1
@@ -34,6 +35,10 @@ except ImportError:          # CPU machines without triton: the SDPA / flash bac
     triton = None
 
 BLOCK_N = 64                 # keys per tile
+# Measured on an H200 (bench/RESULTS.md, 2026-11-30 session 4; bench/probes/): at batch 256,
+# 640 cached tokens, h_kv 2, d 64, one split with 2 warps and 3 stages took 28.1 µs per layer
+# (split + merge, CUDA graph) against 31.5 µs at 2 splits, 4 warps; 72 settings spanned 28-33.
+LAUNCH = dict(num_warps=2, num_stages=3)
 MIN_GROUP_ROWS = 16          # tl.dot needs at least 16 rows: the G query heads are padded
 
 
@@ -86,7 +91,8 @@ if triton is not None:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
         row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + s     # [B, h_q, splits]
-        tl.store(Out + row[:, None] * HEAD_DIM + dd[None, :], out, mask=g_ok[:, None])
+        tl.store(Out + row[:, None] * HEAD_DIM + dd[None, :], out.to(Out.dtype.element_ty),
+                 mask=g_ok[:, None])
         tl.store(Lse + row, lse, mask=g_ok)
 
     @triton.jit
@@ -117,9 +123,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def split_len(rows: int, kv_heads: int, max_len: int, num_sms: int) -> int:
-    """Keys per split: enough splits that rows·kv_heads·splits fills ~4 programs per SM, never
+    """Keys per split: enough splits that rows·kv_heads·splits fills ~2 programs per SM, never
     under one tile. A function of static shapes only (CUDA graphs)."""
-    want = max(1, math.ceil(4 * num_sms / max(1, rows * kv_heads)))
+    want = max(1, math.ceil(2 * num_sms / max(1, rows * kv_heads)))
     splits = min(want, math.ceil(max_len / BLOCK_N))
     return math.ceil(math.ceil(max_len / splits) / BLOCK_N) * BLOCK_N
 
@@ -139,7 +145,10 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     q = q.contiguous()
     length = split_len(B, hkv, max_len, _num_sms(q.device))
     splits = math.ceil(max_len / length)
-    out = torch.empty(B, hq, splits, d, dtype=torch.float32, device=q.device)
+    result = torch.empty_like(q)
+    # one split (a large batch fills the GPU alone): the output is final, no merge
+    out = result if splits == 1 else \
+        torch.empty(B, hq, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(B, hkv, splits)](
         q, k_flat, v_flat, slots, seqlens, out, lse, max_len, 1.0 / math.sqrt(d),
@@ -147,10 +156,10 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    result = torch.empty_like(q)
-    _merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
-                             SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=d)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **LAUNCH)
+    if splits > 1:
+        _merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
+                                 SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=d)
     return result
 
 
