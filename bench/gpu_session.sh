@@ -33,7 +33,7 @@ for p in $parts; do case $p in
              run train_121 torchrun --nproc_per_node=2 tools/bench_train.py --pp 2
              run train_112 torchrun --nproc_per_node=2 tools/bench_train.py
            fi ;;
-  rollout) run rollout python3 tools/bench_rollout.py --compile --hf --profile --variants compile_prefill,flash --out "$RES/rollout.partial.json" ;;
+  rollout) run rollout python3 tools/bench_rollout.py --compile --hf --profile --variants compile_prefill,torch_sampler+compile_prefill --out "$RES/rollout.partial.json" ;;
   reshard) if [ "$ngpu" -ge 2 ]; then
              run reshard torchrun --nproc_per_node=2 tools/bench_reshard.py --models 0.5b,7b --bucket-mb 64,256,1024 --profile
            fi ;;
