@@ -42,7 +42,6 @@ for p in $parts; do case $p in
   ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            fast="--train-compile --rollout-compile --max-tokens 8192"
            T=${T:-600} run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
-           T=${T:-600} run ppo_seed_prefill python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --set actor_rollout_ref.rollout.compile_prefill=true
            T=${T:-600} run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;

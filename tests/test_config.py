@@ -209,6 +209,7 @@ def test_fast_gpu_layer_matches_the_benchmark():
                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz",
                 "critic.ppo_max_token_len_per_gpu", "critic.use_torch_compile",
                 "actor_rollout_ref.rollout.enforce_eager", "actor_rollout_ref.rollout.compile",
+                "actor_rollout_ref.rollout.compile_prefill",
                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
                 "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]:
         assert OmegaConf.select(fast, key) == OmegaConf.select(bench, key), key

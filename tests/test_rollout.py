@@ -374,8 +374,10 @@ for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
     k, v = (torch.randn(S + 1, L, hkv, d).to(dtype) for _ in range(2))
     slots = torch.tensor([3, 0, 4, 5])
     seqlens = torch.tensor([1, 200, 77, 130], dtype=torch.int32)   # one key .. the whole row
-    q = torch.randn(4, hkv * G, d).to(dtype)
+    # q as the decode step hands it over: a strided view of the fused q/k/v heads
+    q = torch.randn(4, hkv * G + 2 * hkv, d).to(dtype)[:, : hkv * G]
     out = decode_attention(q, k.view(-1, hkv, d), v.view(-1, hkv, d), slots, seqlens, L)
+    assert out.is_contiguous() and not q.is_contiguous()
     mask = (torch.arange(L) < seqlens.unsqueeze(1))[:, None, None, :]
     kg, vg = (t[slots].transpose(1, 2).float() for t in (k, v))
     err = (out.float() - grouped_sdpa(q.float(), kg, vg, mask)).abs().max().item()

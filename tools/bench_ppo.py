@@ -13,6 +13,7 @@ progress to stderr.
     python tools/bench_ppo.py --workload seed --algo ppo [--steps 3 --warmup 1]
         [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile]
         [--offload grads,optimizer] [--profile] [--set KEY=VALUE ...]
+--rollout-compile compiles the rollout's decode step and prefill (rollout.compile{,_prefill}).
 --offload moves those parts of the actor and critic to the host outside the phases that use
 them (megatron.*_offload, rl.residency); --profile runs one more step under torch.profiler and
 adds its kernel table per phase (tools/profiling.py) as "profile".
@@ -106,6 +107,7 @@ def overrides(args, model_dir: Path, data: Path, out: Path) -> list[str]:
           "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
           "actor_rollout_ref.rollout.enforce_eager=false",
           f"actor_rollout_ref.rollout.compile={str(args.rollout_compile).lower()}",
+          f"actor_rollout_ref.rollout.compile_prefill={str(args.rollout_compile).lower()}",
           f"actor_rollout_ref.actor.use_torch_compile={str(args.train_compile).lower()}",
           f"actor_rollout_ref.actor.ppo_mini_batch_size={64 if ppo else 32}",
           "actor_rollout_ref.actor.use_dynamic_bsz=true",

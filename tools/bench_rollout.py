@@ -201,7 +201,8 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="",
                     help="comma list of extra engine runs to compare, each changing knobs: "
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
-                         "CUDA graphs), compile, compile_prefill, torch_sampler; '+' combines "
+                         "CUDA graphs), compile, compile_prefill, torch_sampler, autotune (compile "
+                         "in inductor's max-autotune mode); '+' combines "
                          "them "
                          "(triton+compile)")
     ap.add_argument("--profile", action="store_true",
@@ -259,7 +260,8 @@ def main(argv=None) -> None:
     knobs = {"triton": {"attn": "triton"}, "flash": {"attn": "flash"},
              "flash_per_head": {"attn": "flash_per_head"}, "sdpa": {"attn": "sdpa"},
              "eager": {"eager": True}, "compile": {"compile": True},
-             "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"}}
+             "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"},
+             "autotune": {"compile": "max-autotune"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

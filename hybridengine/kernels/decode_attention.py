@@ -142,10 +142,11 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         raise ValueError(f"triton decode attention needs h_q % h_kv == 0 and a power-of-two "
                          f"head_dim >= 16 (h_q={hq}, h_kv={hkv}, head_dim={d})")
     group = hq // hkv
-    q = q.contiguous()
+    if q.stride(2) != 1:          # rows and heads may be strided (q a view of the fused qkv)
+        q = q.contiguous()
     length = split_len(B, hkv, max_len, _num_sms(q.device))
     splits = math.ceil(max_len / length)
-    result = torch.empty_like(q)
+    result = torch.empty(B, hq, d, dtype=q.dtype, device=q.device)
     # one split (a large batch fills the GPU alone): the output is final, no merge
     out = result if splits == 1 else \
         torch.empty(B, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -165,4 +166,4 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
 
 @decode_attention.register_fake
 def _(q, k_flat, v_flat, slots, seqlens, max_len):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)

@@ -85,7 +85,8 @@ class Engine:
     device memory for everything this process holds while generating), else max_num_seqs rows.
     enforce_eager=False captures decode graphs on CUDA. attn_backend: auto | triton | flash |
     flash_per_head | sdpa (rollout.attention).
-    compile=True runs the decode step through torch.compile (inductor) before capture;
+    compile=True runs the decode step through torch.compile (inductor) before capture
+    ("max-autotune": inductor's max-autotune-no-cudagraphs mode; another string: that backend);
     compile_prefill=True the prefill forward too (dynamic shapes; eager again if it fails).
     """
 

@@ -86,8 +86,13 @@ class ModelRunner:
         # graph bucket. A string names the compile backend (tests use "aot_eager").
         # Only the decoder forward is compiled: the sampler's vocabulary-wide sort/cumsum gains
         # nothing from fusion and trips Inductor on torch 2.11 (bench/RESULTS.md).
+        # "max-autotune": inductor benchmarks its GEMM templates against cuBLAS for the decode
+        # step's small-M matmuls (minutes of warm-up; a benchmark variant).
         self._decode_body, self.compiled = self._decode_hidden, bool(compile)
-        if compile:
+        if compile == "max-autotune":
+            self._decode_body = torch.compile(self._decode_hidden,
+                                              mode="max-autotune-no-cudagraphs")
+        elif compile:
             backend = compile if isinstance(compile, str) else "inductor"
             self._decode_body = torch.compile(self._decode_hidden, backend=backend)
         # Optionally the prefill forward too (dynamic shapes: every prefill packs a different
