@@ -86,10 +86,30 @@ def repad(x: torch.Tensor, idx: torch.Tensor, batch: int, seqlen: int) -> torch.
     return out.view(batch, seqlen, *x.shape[1:])
 
 
+@torch.library.custom_op("hybridengine::rope_tables", mutates_args=())
+def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor,
+                                                                              torch.Tensor]:
+    """position_ids [T], inv_freq [d/2] -> fp32 (cos, signed_sin) [T, d]. A custom op so that
+    torch.compile materialises the tables once per forward: inlined, its trigonometry ran again
+    inside every layer's RoPE kernel, for every head (16.8 ms of a 0.25 s compiled prefill on
+    an H200, ~5x the kernel's memory time; bench/RESULTS.md, 2026-11-30 session 4)."""
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq               # [T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                               # [T, d]
+    sin = freqs.sin()
+    return emb.cos(), torch.cat([-sin, sin], dim=-1)
+
+
+@rope_tables.register_fake
+def _(position_ids, inv_freq):
+    shape = (position_ids.shape[0], 2 * inv_freq.shape[0])
+    return position_ids.new_empty(shape, dtype=torch.float32), \
+        position_ids.new_empty(shape, dtype=torch.float32)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables for the rotate-half RoPE of Llama/Qwen2 (inv_freq = θ^(-2i/d)). The sin
     table carries rotate-half's sign (first half negated), so that apply_rope needs no negation
-    kernel: the tables are built once per forward, the rotation runs twice per layer."""
+    kernel: the tables are built once per forward (rope_tables), the rotation runs per layer."""
 
     def __init__(self, head_dim: int, theta: float, device=None):
         super().__init__()
@@ -98,10 +118,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq        # [T, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)                           # [T, d]
-        sin = freqs.sin()
-        return emb.cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
+        cos, sin = rope_tables(position_ids, self.inv_freq)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
