@@ -201,9 +201,8 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="",
                     help="comma list of extra engine runs to compare, each changing knobs: "
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
-                         "CUDA graphs), compile, compile_prefill, torch_sampler, autotune (compile "
-                         "in inductor's max-autotune mode); '+' combines "
-                         "them "
+                         "CUDA graphs), compile, compile_prefill, torch_sampler, autotune "
+                         "(compile in inductor's max-autotune mode); '+' combines them "
                          "(triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")

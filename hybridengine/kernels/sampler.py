@@ -32,7 +32,7 @@ try:
 except ImportError:
     triton = None
 
-CDF_BLOCK = 128              # tokens per block: rollout.sampling.CDF_BLOCK
+CDF_BLOCK = 128              # tokens per block of the inverse-CDF search (rollout.sampling too)
 CHUNK_BLOCKS = 16            # blocks per pass-1 program (2048 tokens)
 
 

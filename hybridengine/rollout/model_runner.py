@@ -87,7 +87,8 @@ class ModelRunner:
         # Only the decoder forward is compiled: the sampler's vocabulary-wide sort/cumsum gains
         # nothing from fusion and trips Inductor on torch 2.11 (bench/RESULTS.md).
         # "max-autotune": inductor benchmarks its GEMM templates against cuBLAS for the decode
-        # step's small-M matmuls (minutes of warm-up; a benchmark variant).
+        # step's small-M matmuls; a benchmark variant: slower on an H200 (78.9k against 82.4k
+        # generated tok/s, 93 s of warm-up against 55 s; bench/RESULTS.md).
         self._decode_body, self.compiled = self._decode_hidden, bool(compile)
         if compile == "max-autotune":
             self._decode_body = torch.compile(self._decode_hidden,

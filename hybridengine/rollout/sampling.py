@@ -107,7 +107,7 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 # --- the sampler -------------------------------------------------------------------------------
 
-CDF_BLOCK = 128
+CDF_BLOCK = fused_sampler.CDF_BLOCK       # tokens per block (the fused kernel's, same draw)
 
 
 def inverse_cdf(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -160,11 +160,9 @@ def sample(logits: torch.Tensor, mode: SamplerMode, temperature: torch.Tensor,
     u [B] uniforms. Returns (tokens [B] int64, logprobs [B] fp32, sampled_logprobs [B] fp32).
     Static shapes and no host synchronisation.
 
-    Few passes over [B, V] (the decode step's largest tensors at vocab 151936): softmax reads
-    the logits in their own dtype and writes fp32 probabilities once; log-probs are logs of
-    gathered probabilities (fp32 relative error ~1e-7, so ~1e-7 absolute in the log).
     Temperature sampling without top-k / top-p (RL's usual setting) takes the fused Triton
-    kernels where they run (kernels/sampler.py: two passes, the same draw) unless fused=False."""
+    kernels where they run (kernels/sampler.py: two passes, the same draw) unless fused=False;
+    everything else sample_torch."""
     if fused and not (mode.greedy or mode.top_k or mode.top_p) and \
             fused_sampler.available(logits.device):
         return fused_sampler.sample_temperature(logits, temperature, u, scaled=mode.scaled)
@@ -173,7 +171,10 @@ def sample(logits: torch.Tensor, mode: SamplerMode, temperature: torch.Tensor,
 
 def sample_torch(logits: torch.Tensor, mode: SamplerMode, temperature: torch.Tensor,
                  top_p: torch.Tensor, u: torch.Tensor):
-    """sample() in plain torch ops: every mode, any device."""
+    """sample() in plain torch ops: every mode, any device. Few passes over [B, V] (the decode
+    step's largest tensors at vocab 151936): softmax reads the logits in their own dtype and
+    writes fp32 probabilities once; log-probs are logs of gathered probabilities (fp32 relative
+    error ~1e-7, so ~1e-7 absolute in the log)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)             # [B, V], T = 1
     if mode.greedy:
         tok = logits.argmax(-1)
