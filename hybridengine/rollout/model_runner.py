@@ -96,6 +96,14 @@ class ModelRunner:
         elif compile:
             backend = compile if isinstance(compile, str) else "inductor"
             self._decode_body = torch.compile(self._decode_hidden, backend=backend)
+        # The bookkeeping around the sampler (the random stream's integer hashing, result and
+        # state updates: ~45 tiny kernels per decode step) is fused the same way.
+        self._uniforms, self._commit_rows = uniforms, self._commit
+        if compile:
+            backend = compile if isinstance(compile, str) and compile != "max-autotune" \
+                else "inductor"
+            self._uniforms = torch.compile(uniforms, backend=backend, dynamic=True)
+            self._commit_rows = torch.compile(self._commit, backend=backend, dynamic=True)
         # Optionally the prefill forward too (dynamic shapes: every prefill packs a different
         # number of tokens and prompts). A failure to compile falls back to eager, once.
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
@@ -263,10 +271,10 @@ class ModelRunner:
 
     def _sample_and_commit(self, slots, positions, h) -> torch.Tensor:
         logits = self._logits(h)
-        u = uniforms(self.keys[slots], positions + 1)
+        u = self._uniforms(self.keys[slots], positions + 1)
         tok, lp, slp = sample(logits, self.mode, self.temperature, self.top_p, u,
                               self.fused_sampler)
-        return self._commit(slots, tok, lp, slp)
+        return self._commit_rows(slots, tok, lp, slp)
 
     def prefill(self, seqs: list[Sequence]) -> Pending:
         """Prefill each distinct prompt once, write its K/V into every sample's row, sample
