@@ -421,9 +421,10 @@ from hybridengine.rollout.sampling import SamplerMode, sample_torch, uniforms
 torch.manual_seed(0)
 keys = torch.randint(0, 2**32, (64,), dtype=torch.int64)
 u = uniforms(keys, torch.arange(64))
-# 1000: a partial last block, one chunk; 5000: three chunks with maxima far apart
-for V, spread in ((1000, 3.0), (5000, 12.0)):
-    z = torch.randn(64, V) * spread
+# 1000: a partial last block, one chunk; 5000: three chunks with maxima far apart; the last
+# with every logit far below zero (a padded block's weight must not overflow to inf)
+for V, spread, shift in ((1000, 3.0, 0.0), (5000, 12.0, 0.0), (5000, 3.0, -200.0)):
+    z = torch.randn(64, V) * spread + shift
     z[:, : V // 3] -= 20.0                      # the chunks' maxima differ by ~20 nats
     for T in (1.0, 0.7):
         mode = SamplerMode(False, 0, False, T != 1.0)
@@ -433,7 +434,11 @@ for V, spread in ((1000, 3.0), (5000, 12.0)):
             tok, lp, slp = sample_temperature(x, temp, u, scaled=T != 1.0)
             rtok, rlp, rslp = sample_torch(x, mode, temp, torch.ones(1), u)
             assert tok.dtype == torch.int64 and torch.equal(tok, rtok), (V, T, dtype)
-            assert (lp - rlp).abs().max() < 1e-5 and (slp - rslp).abs().max() < 1e-5
+            # log-probs against float64 (the torch path's own z / T rounds at |z| ~ 200)
+            x64 = x.double()
+            exact = x64.log_softmax(-1).gather(1, tok[:, None])[:, 0]
+            exact_t = (x64 / T).log_softmax(-1).gather(1, tok[:, None])[:, 0]
+            assert (lp - exact).abs().max() < 1e-5 and (slp - exact_t).abs().max() < 1e-5
 # the draw's distribution: 1500 draws from one row against softmax(z / 0.7), chi-square over
 # 8 tokens spread across two blocks (the rest has weight ~0)
 z = torch.full((136,), -40.0)

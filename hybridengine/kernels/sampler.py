@@ -64,12 +64,14 @@ if triton is not None:
         cm = tl.load(ChunkMax + b * NC + cc, mask=cc < NC, other=float("-inf"))
         m = tl.max(cm, 0)
         cs = tl.load(ChunkSum + b * NC + cc, mask=cc < NC, other=0.0)
-        lse = m + tl.log(tl.sum(cs * tl.exp(cm - m), 0))            # temperature 1
+        log_sum = tl.log(tl.sum(cs * tl.exp(cm - m), 0))            # temperature 1, at m
         i = tl.arange(0, NB_P2)
         ok = i < NB
         w = tl.load(BlockSum + b * NB + i, mask=ok, other=0.0)
-        own = tl.load(ChunkMax + b * NC + i // CHUNK_BLOCKS, mask=ok, other=0.0)
-        w = w * tl.exp((own - m) * inv_t)                          # relative to the row max
+        # relative to the row max (padding blocks get their chunk max -inf: weight 0, never
+        # 0 * exp(-m / T), which overflows for a row of large negative logits)
+        own = tl.load(ChunkMax + b * NC + i // CHUNK_BLOCKS, mask=ok, other=float("-inf"))
+        w = w * tl.exp((own - m) * inv_t)
         cdf = tl.cumsum(w, 0)
         total = tl.max(cdf, 0)
         target = tl.load(U + b) * total
@@ -86,7 +88,7 @@ if triton is not None:
         last = tl.sum((inner < tl.max(inner, 0)).to(tl.int32), 0)
         tok = blk * BLOCK + tl.minimum(k, last)
         z_tok = tl.load(row + tok).to(tl.float32)
-        logp = z_tok - lse
+        logp = (z_tok - m) - log_sum         # both terms small: no cancellation of ~|m|
         tl.store(Tok + b, tok.to(tl.int64))
         tl.store(LogP + b, logp)
         if SCALED:
