@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.kernels import sampler as fused_sampler  # noqa: E402
+from hybridengine.rollout.attention import BACKENDS  # noqa: E402
 from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -189,7 +190,7 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--attn", default="auto", choices=("auto", "triton", "flash", "flash_per_head", "sdpa"))
+    ap.add_argument("--attn", default="auto", choices=BACKENDS)
     ap.add_argument("--sampler", default="auto", choices=("auto", "torch"),
                     help="auto: the fused Triton temperature sampler where it runs")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")

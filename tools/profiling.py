@@ -8,10 +8,11 @@ Each device kernel is charged to the innermost named range that encloses it on t
 profiler records every record_function range a second time on the GPU timeline (a "user
 annotation" spanning the range's kernels), so a CUDA-graph replay's kernels go to the range
 around the replay. Where a torch records no such annotations, a kernel goes to the range around
-the host op that launched it (its linked correlation id). For each range: kernel time, kernel count, time per category (gemm,
-attention, comm, copy, other), busy time per stream next to the range's span on the device
-(whether communication and copies overlap), and the top kernels by time. Without device kernels
-(CPU runs) host ops by self time play their part, so the tables can be tested off-GPU.
+the host op that launched it (its linked correlation id). For each range: kernel time, kernel
+count, time per category (gemm, attention, comm, copy, other), busy time per stream next to the
+range's span on the device (whether communication and copies overlap), and the top kernels by
+time. Without device kernels (CPU runs) host ops by self time play their part, so the tables
+can be tested off-GPU.
 """
 from __future__ import annotations
 

@@ -79,15 +79,15 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
     """The decode backend for a model whose rank holds heads = (q heads, K/V heads, head_dim)."""
     if requested not in BACKENDS:
         raise ValueError(f"attn_backend={requested!r} is not one of {', '.join(BACKENDS)}")
-    if requested == "triton" and not triton_decode.available(device):
-        raise ValueError(f"attn_backend='triton' needs triton and CUDA (device={device})")
-    if requested == "triton" and not triton_decode.supports(*heads):
-        raise ValueError(f"attn_backend='triton' needs q heads divisible by K/V heads and a "
-                         f"power-of-two head_dim >= 16 (q, kv heads, head_dim = {heads})")
+    if requested == "triton":
+        if not triton_decode.available(device):
+            raise ValueError(f"attn_backend='triton' needs triton and CUDA (device={device})")
+        if not triton_decode.supports(*heads):
+            raise ValueError(f"attn_backend='triton' needs q heads divisible by K/V heads and "
+                             f"a power-of-two head_dim >= 16 (q, kv heads, head_dim = {heads})")
+        return requested
     half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     usable = half and _FLASH_DECODE is not None
-    if requested == "triton":
-        return requested
     if requested in _FLASH and not usable:
         raise ValueError(f"attn_backend={requested!r} needs CUDA, fp16/bf16 and a torch whose "
                          f"flash varlen kernel takes seqused_k (device={device}, dtype={dtype}, "

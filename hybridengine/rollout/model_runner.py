@@ -81,29 +81,23 @@ class ModelRunner:
         # graph-shaped decode (bucket padding with scratch rows, all max_model_len keys);
         # tests set it on the CPU to run that path without capture
         self.static_shapes = self.use_graphs
-        # Optionally fuse the decode step's small ops (norms, RoPE, SwiGLU, sampling) with
-        # torch.compile; the batch dimension is marked dynamic, so one compile serves every
-        # graph bucket. A string names the compile backend (tests use "aot_eager").
-        # Only the decoder forward is compiled: the sampler's vocabulary-wide sort/cumsum gains
-        # nothing from fusion and trips Inductor on torch 2.11 (bench/RESULTS.md).
-        # "max-autotune": inductor benchmarks its GEMM templates against cuBLAS for the decode
-        # step's small-M matmuls; a benchmark variant: slower on an H200 (78.9k against 82.4k
-        # generated tok/s, 93 s of warm-up against 55 s; bench/RESULTS.md).
+        # Optionally fuse the decode step's small ops (norms, RoPE, SwiGLU) with torch.compile;
+        # the batch dimension is marked dynamic, so one compile serves every graph bucket. The
+        # bookkeeping around the sampler (the random stream's integer hashing, result and state
+        # updates: ~45 tiny kernels per decode step) is compiled the same way; the torch
+        # sampler is not: its vocabulary-wide sort/cumsum gains nothing from fusion and trips
+        # Inductor on torch 2.11 (bench/RESULTS.md). A string names the compile backend (tests
+        # use "aot_eager"); "max-autotune": inductor benchmarks its GEMM templates against
+        # cuBLAS for the decode step's small-M matmuls, a benchmark variant: slower on an H200
+        # (78.9k against 82.4k generated tok/s, 93 s of warm-up against 55 s).
         self._decode_body, self.compiled = self._decode_hidden, bool(compile)
-        if compile == "max-autotune":
-            self._decode_body = torch.compile(self._decode_hidden,
-                                              mode="max-autotune-no-cudagraphs")
-        elif compile:
-            backend = compile if isinstance(compile, str) else "inductor"
-            self._decode_body = torch.compile(self._decode_hidden, backend=backend)
-        # The bookkeeping around the sampler (the random stream's integer hashing, result and
-        # state updates: ~45 tiny kernels per decode step) is fused the same way.
         self._uniforms, self._commit_rows = uniforms, self._commit
         if compile:
-            backend = compile if isinstance(compile, str) and compile != "max-autotune" \
-                else "inductor"
-            self._uniforms = torch.compile(uniforms, backend=backend, dynamic=True)
-            self._commit_rows = torch.compile(self._commit, backend=backend, dynamic=True)
+            how = {"mode": "max-autotune-no-cudagraphs"} if compile == "max-autotune" else \
+                {"backend": compile if isinstance(compile, str) else "inductor"}
+            self._decode_body = torch.compile(self._decode_hidden, **how)
+            self._uniforms = torch.compile(uniforms, dynamic=True, **how)
+            self._commit_rows = torch.compile(self._commit, dynamic=True, **how)
         # Optionally the prefill forward too (dynamic shapes: every prefill packs a different
         # number of tokens and prompts). A failure to compile falls back to eager, once.
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
