@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout probe reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl).
@@ -33,7 +33,15 @@ for p in $parts; do case $p in
              run train_121 torchrun --nproc_per_node=2 tools/bench_train.py --pp 2
              run train_112 torchrun --nproc_per_node=2 tools/bench_train.py
            fi ;;
-  rollout) run rollout python3 tools/bench_rollout.py --compile --hf --profile --variants compile_prefill,torch_sampler+compile_prefill --out "$RES/rollout.partial.json" ;;
+  rollout) # HF=none leaves out HF generate (its same-run figure is needed only for the speedup)
+           hf=--hf; [ "${HF:-}" = none ] && hf=
+           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants separate_rope+keep_addmm+compile_prefill --out "$RES/rollout.partial.json" ;;
+  probe)   run probe python3 bench/probes/decode_step.py
+           ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+           [ -n "$ncu" ] && timeout 240 "$ncu" --clock-control none -k 'regex:_split_kernel|nvjet|splitK' -c 24 \
+             --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+             --section Occupancy --section LaunchStats python3 bench/probes/decode_step.py --ncu \
+             > "$RES/ncu.txt" 2>&1; echo "ncu rc=$?" | tee -a "$RES/session.log"; pack ;;
   reshard) if [ "$ngpu" -ge 2 ]; then
              run reshard torchrun --nproc_per_node=2 tools/bench_reshard.py --models 0.5b,7b --bucket-mb 64,256,1024 --profile
            fi ;;

@@ -362,10 +362,12 @@ TRITON_CHECK = """
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
 import hybridengine.kernels.decode_attention as da
-from hybridengine.kernels.decode_attention import decode_attention
+from hybridengine.kernels.decode_attention import decode_attention, decode_attention_rope
+from hybridengine.models.attention import RotaryEmbedding, apply_rope
 from hybridengine.rollout.attention import grouped_sdpa
 torch.manual_seed(0)
 S, L, hkv, G, d = 5, 200, 2, 7, 64
+rope = RotaryEmbedding(d, 10000.0)
 # 64 "SMs": several splits (empty ones too) and the merge; 1: one split, no merge
 for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
                         (torch.float32, 1e-5, 1), (torch.float16, 2e-3, 1)):
@@ -374,14 +376,27 @@ for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
     k, v = (torch.randn(S + 1, L, hkv, d).to(dtype) for _ in range(2))
     slots = torch.tensor([3, 0, 4, 5])
     seqlens = torch.tensor([1, 200, 77, 130], dtype=torch.int32)   # one key .. the whole row
-    # q as the decode step hands it over: a strided view of the fused q/k/v heads
-    q = torch.randn(4, hkv * G + 2 * hkv, d).to(dtype)[:, : hkv * G]
-    out = decode_attention(q, k.view(-1, hkv, d), v.view(-1, hkv, d), slots, seqlens, L)
+    # q, k, v as the decode step hands them over: strided views of the fused qkv projection
+    qkv = torch.randn(4, hkv * G + 2 * hkv, d).to(dtype)
+    q, k_new, v_new = qkv[:, : hkv * G], qkv[:, hkv * G: -hkv], qkv[:, -hkv:]
+    out = decode_attention(q, k, v, slots, seqlens)
     assert out.is_contiguous() and not q.is_contiguous()
     mask = (torch.arange(L) < seqlens.unsqueeze(1))[:, None, None, :]
     kg, vg = (t[slots].transpose(1, 2).float() for t in (k, v))
     err = (out.float() - grouped_sdpa(q.float(), kg, vg, mask)).abs().max().item()
     assert out.dtype == dtype and err < tol, (dtype, err)
+    # the fused form: RoPE of q and k_new, k_new / v_new written at seqlens - 1, attention
+    cos, sin = rope(seqlens.long() - 1, dtype)
+    kc, vc = k.clone(), v.clone()
+    out = decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, slots, seqlens)
+    qk = apply_rope(qkv[:, :-hkv].float(), cos.float(), sin.float()).to(dtype)
+    k[slots, seqlens.long() - 1] = qk[:, hkv * G:]
+    v[slots, seqlens.long() - 1] = v_new
+    assert torch.equal(kc, k) and torch.equal(vc, v), dtype     # the cache write, bit for bit
+    kg, vg = (t[slots].transpose(1, 2).float() for t in (k, v))
+    ref = grouped_sdpa(qk[:, : hkv * G].float(), kg, vg, mask)
+    err = (out.float() - ref).abs().max().item()
+    assert out.dtype == dtype and err < tol, (dtype, err, "rope")
 # The engine on the triton backend: greedy tokens and log-probs as on SDPA.
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.rollout.engine import Engine

@@ -111,3 +111,30 @@ def test_fused_sampler_matches_torch_sampler_bf16_full_vocab():
     assert max_logprob_gap(model, prompts, res) < 1e-4
     again = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
     assert [r.token_ids for r in again] == [r.token_ids for r in res]
+
+
+def test_fused_rope_decode_attention_bf16_benchmark_shape():
+    """The one-launch decode attention (RoPE of q and the new key, cache write, attention) at
+    the rollout benchmark's shape in bf16 (256 rows, 768 cached positions, 14 / 2 heads of 64):
+    the cache gets what apply_rope and an index write store, and the output matches separate
+    RoPE + write + the plain kernel."""
+    from hybridengine.kernels import decode_attention as da
+    from hybridengine.models.attention import RotaryEmbedding, apply_rope
+    B, hq, hkv, d, L, bf = 256, 14, 2, 64, 768, torch.bfloat16
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    qkv = torch.randn(B, hq + 2 * hkv, d, device=CUDA, generator=g).to(bf)
+    kc = torch.randn(B + 1, L, hkv, d, device=CUDA, generator=g).to(bf)
+    vc = torch.randn_like(kc)
+    slots = torch.randperm(B, device=CUDA, generator=g)
+    seqlens = torch.randint(1, L + 1, (B,), device=CUDA, generator=g, dtype=torch.int32)
+    pos = seqlens.long() - 1
+    cos, sin = RotaryEmbedding(d, 1e6, CUDA)(pos, bf)
+    kf, vf = kc.clone(), vc.clone()
+    out = da.decode_attention_rope(qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cos, sin,
+                                   kf, vf, slots, seqlens)
+    qk = apply_rope(qkv[:, :hq + hkv].float(), cos.float(), sin.float()).to(bf)
+    kc[slots, pos], vc[slots, pos] = qk[:, hq:], qkv[:, hq + hkv:]
+    assert (kf.float() - kc.float()).abs().max() <= 1e-2 * kc.float().abs().max()
+    assert torch.equal(vf, vc)
+    ref = da.decode_attention(qk[:, :hq], kc, vc, slots, seqlens)
+    assert (out.float() - ref.float()).abs().max() < 2e-2

@@ -69,6 +69,7 @@ def bench_engine(model, prompts, args, device) -> dict:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     engine.runner.fused_sampler = args.sampler != "torch"
+    engine.runner.fused_rope = not args.separate_rope
     log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
     t0 = time.perf_counter()
     engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
@@ -193,6 +194,9 @@ def parse_args(argv=None):
     ap.add_argument("--attn", default="auto", choices=BACKENDS)
     ap.add_argument("--sampler", default="auto", choices=("auto", "torch"),
                     help="auto: the fused Triton temperature sampler where it runs")
+    ap.add_argument("--separate-rope", action="store_true",
+                    help="RoPE and the K/V-cache write as their own kernels before the Triton "
+                         "decode attention (default: inside it)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -203,7 +207,8 @@ def parse_args(argv=None):
                     help="comma list of extra engine runs to compare, each changing knobs: "
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
                          "CUDA graphs), compile, compile_prefill, torch_sampler, autotune "
-                         "(compile in inductor's max-autotune mode); '+' combines them "
+                         "(compile in inductor's max-autotune mode), separate_rope, keep_addmm "
+                         "(compile without SplitResidualAddmm); '+' combines them "
                          "(triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -261,7 +266,9 @@ def main(argv=None) -> None:
              "flash_per_head": {"attn": "flash_per_head"}, "sdpa": {"attn": "sdpa"},
              "eager": {"eager": True}, "compile": {"compile": True},
              "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"},
-             "autotune": {"compile": "max-autotune"}}
+             "autotune": {"compile": "max-autotune"},
+             "separate_rope": {"separate_rope": True},
+             "keep_addmm": {"compile": "inductor-keep-addmm"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

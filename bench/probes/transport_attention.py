@@ -5,14 +5,13 @@
    memory (torch.distributed._symmetric_memory), an SM copy kernel pushing a strided
    (row-parallel) slice, NCCL all-gather on window-registered buffers;
 2. sampler: the fused Triton temperature sampler against the torch sampler at 256 x 151936;
-3. attention: the Triton decode kernel's split count, key tile, warps and stages at the
-   rollout benchmark's shape (every timing inside a CUDA graph: do_bench_cudagraph).
+3. attention: the Triton decode kernel's split count, key tile, warps and stages (moved to
+   decode_step.py in session 5, when the kernel's arguments changed).
 
     torchrun --nproc_per_node=2 bench/probes/transport_attention.py
     PROBE_TRANSPORT=0 torchrun --nproc_per_node=1 bench/probes/transport_attention.py
 """
 import json
-import math
 import os
 import sys
 import time
@@ -129,54 +128,6 @@ def transport(rank, world, dev):
             emit(probe="nccl_symmetric", error=repr(e)[:400])
 
 
-def attention(dev):
-    import triton
-    from hybridengine.kernels import decode_attention as da
-    B, hq, hkv, d, L = 256, 14, 2, 64, 768
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(B, hq, d, device=dev, generator=g).to(torch.bfloat16)
-    k = torch.randn((B + 1) * L, hkv, d, device=dev, generator=g).to(torch.bfloat16)
-    v = torch.randn_like(k)
-    slots = torch.arange(B, device=dev, dtype=torch.int32)
-    seqlens = torch.full((B,), 640, device=dev, dtype=torch.int32)
-    ref = da.decode_attention(q, k, v, slots, seqlens, L)
-    kv_bytes = B * 640 * hkv * d * 2 * 2
-    rows = []
-    for splits in (1, 2, 4, 8):
-        for block_n in (32, 64, 128):
-            length = math.ceil(math.ceil(L / splits) / block_n) * block_n
-            ns = math.ceil(L / length)
-            for warps in (2, 4, 8):
-                for stages in (2, 3, 4):
-                    o = torch.empty(B, hq, ns, d, dtype=torch.float32, device=dev)
-                    lse = torch.empty(B, hq, ns, dtype=torch.float32, device=dev)
-                    res = torch.empty_like(q)
-
-                    def run():
-                        da._split_kernel[(B, hkv, ns)](
-                            q, k, v, slots, seqlens, o, lse, L, 1 / math.sqrt(d),
-                            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                            GROUP=hq // hkv, BLOCK_G=16, HEAD_DIM=d, BLOCK_N=block_n,
-                            SPLIT_LEN=length, NUM_SPLITS=ns, PRECISION="tf32",
-                            num_warps=warps, num_stages=stages)
-                        da._merge_kernel[(B * hq,)](
-                            o, lse, res, NUM_SPLITS=ns, SPLITS_P2=triton.next_power_of_2(ns),
-                            HEAD_DIM=d)
-                    try:
-                        run()
-                        err = (res.float() - ref.float()).abs().max().item()
-                        ms = triton.testing.do_bench_cudagraph(run, rep=50)
-                        rows.append((ms, splits, block_n, warps, stages, err))
-                    except Exception as e:    # noqa: BLE001 - a setting that fails is listed
-                        rows.append((1e9, splits, block_n, warps, stages, repr(e)[:80]))
-    rows.sort()
-    cur = triton.testing.do_bench_cudagraph(
-        lambda: da.decode_attention(q, k, v, slots, seqlens, L), rep=50)
-    emit(probe="attention", current_ms=cur, current_gbps=kv_bytes / cur / 1e6,
-         best=[dict(ms=r[0], gbps=kv_bytes / r[0] / 1e6, splits=r[1], block_n=r[2], warps=r[3],
-                    stages=r[4], err=r[5]) for r in rows[:12]])
-
-
 def sampler(dev):
     import triton
     from hybridengine.kernels.sampler import sample_temperature
@@ -201,7 +152,6 @@ def main():
         transport(rank, world, dev)
     if rank == 0:
         sampler(dev)
-        attention(dev)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,11 +1,16 @@
 """Split-KV decode attention over the rollout's KV cache, in Triton (flash-decoding with GQA).
 
-    decode_attention(q, k_flat, v_flat, slots, seqlens, max_model_len) -> [B, h_q, d]
+    decode_attention(q, k_cache, v_cache, slots, seqlens) -> [B, h_q, d]
+    decode_attention_rope(q, k_new, v_new, cos, sin, k_cache, v_cache, slots, seqlens)
 
 q [B, h_q, d] holds one query token per row; row b attends to the first seqlens[b] tokens of
-cache slot slots[b], i.e. rows slots[b]·max_model_len + t of the flat per-layer cache
-[(num_slots + 1)·max_model_len, h_kv, d] (rollout/kv_cache.py). Softmax scale 1/sqrt(d); query
-head h reads K/V head h // (h_q / h_kv).
+cache slot slots[b] of the per-layer cache [num_slots + 1, max_model_len, h_kv, d]
+(rollout/kv_cache.py). Softmax scale 1/sqrt(d); query head h reads K/V head h // (h_q / h_kv).
+The _rope form is the whole attention of a decode step in one launch: it takes q and the new
+K/V straight from the qkv projection, applies RoPE to q and k_new, writes k_new / v_new at
+position seqlens[b] - 1 and counts that token from registers while it reads the cached prefix
+(on an H200 the RoPE and cache-write kernels it replaces took ~6 µs per layer per step,
+bench/RESULTS.md).
 
 Why a kernel of our own: on an H200 at batch 256 and ~640 cached tokens (Qwen2.5-0.5B shape,
 h_q 14, h_kv 2, d 64), flash-attention's varlen kernel spent ~49 µs per layer per decode step,
@@ -50,11 +55,12 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _split_kernel(Q, K, V, Slots, Seqlens, Out, Lse, max_len, sm_scale,
-                      stride_qb, stride_qh, stride_kt, stride_kh,
+    def _split_kernel(Q, K, V, Slots, Seqlens, Out, Lse, KNew, VNew, Cos, Sin, sm_scale,
+                      stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
+                      stride_nb, stride_nh, stride_cb,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      NEW_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
@@ -64,30 +70,57 @@ if triton is not None:
         dd = tl.arange(0, HEAD_DIM)
         heads = j * GROUP + g
         g_ok = g < GROUP
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dd[None, :],
-                    mask=g_ok[:, None], other=0.0)
+        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_ptr + dd[None, :], mask=g_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        k_row = K + slot * stride_ks + j * stride_kh            # V has K's strides
+        v_row = V + slot * stride_ks + j * stride_kh
+        if NEW_TOKEN:
+            # Rotate-half RoPE of q and of the new key (cos, signed sin as the model's tables:
+            # x·cos + [x₂, x₁]·sin, rounded once to the cache dtype), the new K/V written to
+            # the cache at position seqlen - 1, and the new token counted from registers: the
+            # loop below reads only the cached prefix, so no program reads what another writes.
+            swap = (dd + HEAD_DIM // 2) % HEAD_DIM
+            cos = tl.load(Cos + b * stride_cb + dd).to(tl.float32)
+            sin = tl.load(Sin + b * stride_cb + dd).to(tl.float32)
+            q_sw = tl.load(q_ptr + swap[None, :], mask=g_ok[:, None], other=0.0)
+            q = (q.to(tl.float32) * cos[None, :] + q_sw.to(tl.float32) * sin[None, :]).to(
+                q.dtype)
+            new_ptr = b * stride_nb + j * stride_nh
+            k_new = tl.load(KNew + new_ptr + dd).to(tl.float32) * cos + \
+                tl.load(KNew + new_ptr + swap).to(tl.float32) * sin
+            k_new = k_new.to(K.dtype.element_ty)
+            v_new = tl.load(VNew + new_ptr + dd).to(V.dtype.element_ty)
+            if s == 0:                  # the first split holds the new token
+                at = (seqlen - 1).to(tl.int64) * stride_kt
+                tl.store(k_row + at + dd, k_new)
+                tl.store(v_row + at + dd, v_new)
+                m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * sm_scale
+                l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+                acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
+            end = seqlen - 1
+        else:
+            end = seqlen
         start = s * SPLIT_LEN
-        stop = tl.minimum(start + SPLIT_LEN, seqlen)
+        stop = tl.minimum(start + SPLIT_LEN, end)
         for n0 in range(start, stop, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             p_ok = pos < stop
-            rows = slot * max_len + pos
-            kv_off = rows[:, None] * stride_kt + j * stride_kh + dd[None, :]
-            k = tl.load(K + kv_off, mask=p_ok[:, None], other=0.0)
+            kv_off = pos[:, None].to(tl.int64) * stride_kt + dd[None, :]
+            k = tl.load(k_row + kv_off, mask=p_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
             qk = tl.where(p_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)            # m_new is finite: every tile has a valid key
             p = tl.exp(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=p_ok[:, None], other=0.0)
+            v = tl.load(v_row + kv_off, mask=p_ok[:, None], other=0.0)
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
-        # An empty split (start >= seqlen) leaves l_i = 0: output 0, log-sum-exp -inf.
+        # An empty split (start >= its end) leaves l_i = 0: output 0, log-sum-exp -inf.
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
         row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + s     # [B, h_q, splits]
@@ -130,17 +163,16 @@ def split_len(rows: int, kv_heads: int, max_len: int, num_sms: int) -> int:
     return math.ceil(math.ceil(max_len / splits) / BLOCK_N) * BLOCK_N
 
 
-# A custom op: torch.compile (the rollout's compiled decode step) treats it as one opaque node
-# instead of tracing into the launcher.
-@torch.library.custom_op("hybridengine::triton_decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                     slots: torch.Tensor, seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """See the module doc. seqlens >= 1 for every row (padding rows attend to their own slot)."""
+def _launch(q, k_cache, v_cache, slots, seqlens, new=None) -> torch.Tensor:
+    """The split kernel (+ merge) over the cache; new = (k_new, v_new, cos, sin) fuses RoPE,
+    the cache write and the new token (see decode_attention_rope)."""
     B, hq, d = q.shape
-    hkv = k_flat.shape[1]
+    hkv, max_len = k_cache.shape[2], k_cache.shape[1]
     if not supports(hq, hkv, d):
         raise ValueError(f"triton decode attention needs h_q % h_kv == 0 and a power-of-two "
                          f"head_dim >= 16 (h_q={hq}, h_kv={hkv}, head_dim={d})")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("triton decode attention needs K and V caches of one contiguous layout")
     group = hq // hkv
     if q.stride(2) != 1:          # rows and heads may be strided (q a view of the fused qkv)
         q = q.contiguous()
@@ -151,11 +183,22 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     out = result if splits == 1 else \
         torch.empty(B, hq, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device)
+    if new is None:
+        k_new = v_new = cos = sin = q                       # unused
+        new_strides = (0, 0, 0)
+    else:
+        k_new, v_new, cos, sin = new
+        if k_new.stride() != v_new.stride() or k_new.stride(2) != 1 or \
+                cos.stride() != sin.stride() or cos.stride(1) != 1:
+            raise ValueError("triton decode attention: new K/V (and cos/sin) need one layout "
+                             "with a contiguous last dimension")
+        new_strides = (k_new.stride(0), k_new.stride(1), cos.stride(0))
     _split_kernel[(B, hkv, splits)](
-        q, k_flat, v_flat, slots, seqlens, out, lse, max_len, 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1),
+        q, k_cache, v_cache, slots, seqlens, out, lse, k_new, v_new, cos, sin,
+        1.0 / math.sqrt(d), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), *new_strides,
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits,
+        BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=new is not None,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **LAUNCH)
     if splits > 1:
@@ -164,6 +207,34 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     return result
 
 
+# Custom ops: torch.compile (the rollout's compiled decode step) treats each as one opaque
+# node instead of tracing into the launcher.
+@torch.library.custom_op("hybridengine::triton_decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, h_q, d] over the first seqlens[b] >= 1 cached tokens of slots[b]
+    (the caller has written this step's K/V); see the module doc."""
+    return _launch(q, k_cache, v_cache, slots, seqlens)
+
+
 @decode_attention.register_fake
-def _(q, k_flat, v_flat, slots, seqlens, max_len):
+def _(q, k_cache, v_cache, slots, seqlens):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("hybridengine::triton_decode_attention_rope",
+                         mutates_args=("k_cache", "v_cache"))
+def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slots: torch.Tensor,
+                          seqlens: torch.Tensor) -> torch.Tensor:
+    """One decode step's attention from the unrotated q [B, h_q, d], k_new / v_new [B, h_kv, d]
+    (views of the fused qkv projection) and the RoPE tables cos, signed sin [B, d]: q and k_new
+    rotated, k_new / v_new written to the cache at position seqlens[b] - 1 of slots[b], and
+    attention over that slot's first seqlens[b] tokens, in one launch."""
+    return _launch(q, k_cache, v_cache, slots, seqlens, (k_new, v_new, cos, sin))
+
+
+@decode_attention_rope.register_fake
+def _(q, k_new, v_new, cos, sin, k_cache, v_cache, slots, seqlens):
     return q.new_empty(q.shape)

@@ -102,10 +102,15 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
-        # q and k rotated together: one set of RoPE kernels per layer instead of two
-        qk = apply_rope(qk.view(-1, hq + hkv, d), cos, sin)              # [T, hq + hkv, d]
-        q, k, v = qk[:, :hq], qk[:, hq:], v.view(-1, hkv, d)
-        o = ctx.attend(self.layer_idx, q, k, v)                           # [T, h_q, d]
+        qk, v = qk.view(-1, hq + hkv, d), v.view(-1, hkv, d)
+        if getattr(ctx, "applies_rope", False):
+            # the context rotates q and k inside its own kernel (the rollout's decode step:
+            # RoPE, the K/V-cache write and attention in one launch)
+            o = ctx.attend_rope(self.layer_idx, qk[:, :hq], qk[:, hq:], v, cos, sin)
+        else:
+            # q and k rotated together: one set of RoPE kernels per layer instead of two
+            qk = apply_rope(qk, cos, sin)                                 # [T, hq + hkv, d]
+            o = ctx.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v)     # [T, h_q, d]
         return self.o_proj(o.reshape(o.shape[0], hq * d))
 
 

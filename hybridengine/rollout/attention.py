@@ -7,8 +7,10 @@ over the fresh packed K/V (no cached prefix exists), through the core PackedCaus
 
 DecodeContext: one new token per row; K/V written at (slot, position), then attention over the
 row's cached prefix, by one of four backends:
-  triton split-KV flash-decoding over the flat cache (kernels/decode_attention.py): one program
-         per (row, K/V head, split of the keys) computes the G query heads of that K/V head.
+  triton split-KV flash-decoding over the cache (kernels/decode_attention.py): one program per
+         (row, K/V head, split of the keys) computes the G query heads of that K/V head. The
+         context sets `applies_rope`: the decoder hands it q and k unrotated, and RoPE, the
+         cache write and attention run in one kernel (`attend_rope`).
   flash  flash-attention varlen with seqused_k over the flat cache: cu_seqlens_k[i] =
          slot_i·max_model_len (rows sorted by slot, so increasing), seqused_k = length. It reads
          only the used tokens. The G = h_q/h_kv query heads that share a K/V head enter as G
@@ -110,9 +112,11 @@ class DecodeContext:
 
     def __init__(self, cache: KVCache, layer_start: int, slots: torch.Tensor,
                  positions: torch.Tensor, backend: str, max_k: int,
-                 cu_q: torch.Tensor | None = None, cu_k_tail: torch.Tensor | None = None):
+                 cu_q: torch.Tensor | None = None, cu_k_tail: torch.Tensor | None = None,
+                 fused_rope: bool = True):
         self.cache, self.layer_start, self.backend = cache, layer_start, backend
         self.slots, self.max_k = slots, max_k
+        self.applies_rope = backend == "triton" and fused_rope
         L = cache.max_model_len
         # A finished row still in the batch (one step of lag) may sit at position L: clamp its
         # harmless write into its own row.
@@ -132,9 +136,8 @@ class DecodeContext:
         layer = layer_idx - self.layer_start
         self.cache.write(layer, self.slots, self.write_pos, k, v)
         if self.backend == "triton":
-            kf, vf = self.cache.flat(layer)
-            return triton_decode.decode_attention(q, kf, vf, self.slots, self.seqused,
-                                                  self.cache.max_model_len)
+            return triton_decode.decode_attention(q, self.cache.k[layer], self.cache.v[layer],
+                                                  self.slots, self.seqused)
         if self.backend in _FLASH:
             kf, vf = self.cache.flat(layer)
             L = self.cache.max_model_len
@@ -144,6 +147,14 @@ class DecodeContext:
             return grouped_flash_decode(q, kf, vf, self.cu_q, self.cu_k, self.seqused, L)
         kc, vc = self.cache.gather_slots(layer, self.slots, self.max_k)     # [B, h_kv, L, d]
         return grouped_sdpa(q, kc, vc, self.mask)
+
+    def attend_rope(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
+        """attend() from the unrotated q, k (RoPE tables cos, signed sin [B, d]), in one kernel
+        (triton backend only)."""
+        layer = layer_idx - self.layer_start
+        return triton_decode.decode_attention_rope(q, k, v, cos, sin, self.cache.k[layer],
+                                                   self.cache.v[layer], self.slots,
+                                                   self.seqused)
 
 
 def grouped_flash_decode(q, kf, vf, cu_q, cu_k, seqused, max_k) -> torch.Tensor:
@@ -207,7 +218,11 @@ def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str,
         for name in (backend, "sdpa"):
             ctx = DecodeContext(cache, 0, slots, pos, name, 64, cu_q, tail)
             outs[name] = ctx.attend(0, q, k_new, k_new).float()
-        err = (outs[backend] - outs["sdpa"]).abs().max().item()
+        if backend == "triton":     # the fused form too, with an identity rotation
+            cos, sin = torch.ones(3, d, device=device, dtype=dtype), q.new_zeros(3, d)
+            ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail)
+            outs["rope"] = ctx.attend_rope(0, q, k_new, k_new, cos, sin).float()
+        err = max((outs[b] - outs["sdpa"]).abs().max().item() for b in outs)
         if err < 2e-2:
             return True
         logger.warning("%s decode attention differs from SDPA by %.3g; trying the next "

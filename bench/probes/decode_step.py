@@ -1,0 +1,123 @@
+"""Device probe of session 5 (2026-11-30; bench/RESULTS.md): the pieces of one decode step of
+the rollout benchmark (Qwen2.5-0.5B shape, 256 rows, 640 cached tokens of 768, bf16), each
+timed inside a CUDA graph (triton.testing.do_bench_cudagraph), JSON lines out:
+
+1. attention: the Triton decode kernel after a separate cache write against the fused form
+   (RoPE + cache write + attention in one launch), and the fused form's launch settings;
+2. gemm: the step's five matmul shapes at M = 256 (cuBLAS through torch), against their
+   bandwidth and FLOP floors.
+
+    python3 bench/probes/decode_step.py            # all parts
+    python3 bench/probes/decode_step.py --ncu      # the fused kernel and the GEMMs, 3 calls
+                                                   # each, for ncu to read
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+B, HQ, HKV, D, L, CTX, H, FFN, VOCAB = 256, 14, 2, 64, 768, 640, 896, 4864, 151936
+
+
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def attention_inputs(dev):
+    from hybridengine.models.attention import RotaryEmbedding
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+    qkv = torch.randn(B, HQ + 2 * HKV, D, device=dev, generator=g).to(bf)
+    kc = torch.randn(B + 1, L, HKV, D, device=dev, generator=g).to(bf)
+    vc = torch.randn_like(kc)
+    slots = torch.arange(B, device=dev)
+    seqlens = torch.full((B,), CTX, device=dev, dtype=torch.int32)
+    cos, sin = RotaryEmbedding(D, 1e6, dev)(seqlens.long() - 1, bf)
+    return qkv, kc, vc, slots, seqlens, cos, sin
+
+
+def attention(dev):
+    import triton
+    from hybridengine.kernels import decode_attention as da
+    from hybridengine.models.attention import apply_rope
+    qkv, kc, vc, slots, seqlens, cos, sin = attention_inputs(dev)
+    q, k_new, v_new = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+    pos = seqlens.long() - 1
+
+    def separate():           # what the decode step ran before the fused form
+        qk = apply_rope(qkv[:, :HQ + HKV], cos, sin)
+        kc[slots, pos] = qk[:, HQ:]
+        vc[slots, pos] = v_new
+        return da.decode_attention(qk[:, :HQ], kc, vc, slots, seqlens)
+
+    def fused():
+        return da.decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, slots, seqlens)
+
+    ref, out = separate(), fused()
+    kv_bytes = B * CTX * HKV * D * 2 * 2
+    res = {name: triton.testing.do_bench_cudagraph(fn, rep=100)
+           for name, fn in (("separate_rope_write_attention", separate), ("fused", fused))}
+    emit(probe="attention", ms=res, fused_gbps=kv_bytes / res["fused"] / 1e6,
+         max_err=(out.float() - ref.float()).abs().max().item())
+    rows = []
+    base = dict(da.LAUNCH)
+    for block_n in (32, 64, 128):
+        for warps in (2, 4):
+            for stages in (2, 3, 4):
+                da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
+                try:
+                    err = (fused().float() - ref.float()).abs().max().item()
+                    rows.append((triton.testing.do_bench_cudagraph(fused, rep=50), block_n,
+                                 warps, stages, err))
+                except Exception as e:    # noqa: BLE001 - a setting that fails is listed
+                    rows.append((1e9, block_n, warps, stages, repr(e)[:80]))
+    da.BLOCK_N, da.LAUNCH = 64, base
+    rows.sort()
+    emit(probe="attention_sweep", best=[dict(ms=r[0], gbps=kv_bytes / r[0] / 1e6, block_n=r[1],
+                                             warps=r[2], stages=r[3], err=r[4]) for r in rows])
+
+
+def gemm_shapes():
+    """(name, N, K) of the decode step's matmuls: x [256, K] @ W[N, K]^T."""
+    return [("qkv", (HQ + 2 * HKV) * D, H), ("o_proj", H, HQ * D), ("gate_up", 2 * FFN, H),
+            ("down", H, FFN), ("lm_head", VOCAB, H)]
+
+
+def gemm(dev):
+    import triton
+    peak_bw, peak_flops = 4.8e12, 989e12
+    for name, n, k in gemm_shapes():
+        x = torch.randn(B, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        ms = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w), rep=50)
+        floor_us = 1e6 * max(2 * n * k / peak_bw, 2 * B * n * k / peak_flops)
+        emit(probe="gemm", name=name, m=B, n=n, k=k, us=1e3 * ms, floor_us=floor_us)
+
+
+def ncu_targets(dev):
+    from hybridengine.kernels import decode_attention as da
+    qkv, kc, vc, slots, seqlens, cos, sin = attention_inputs(dev)
+    for _ in range(3):
+        da.decode_attention_rope(qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:], cos, sin,
+                                 kc, vc, slots, seqlens)
+    for name, n, k in gemm_shapes():
+        x = torch.randn(B, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+    torch.cuda.synchronize()
+
+
+def main():
+    dev = torch.device("cuda")
+    emit(torch=torch.__version__, device=torch.cuda.get_device_name())
+    if "--ncu" in sys.argv:
+        return ncu_targets(dev)
+    attention(dev)
+    gemm(dev)
+
+
+if __name__ == "__main__":
+    main()
