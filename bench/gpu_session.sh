@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout probe reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout probe code reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl).
@@ -35,7 +35,11 @@ for p in $parts; do case $p in
            fi ;;
   rollout) # HF=none leaves out HF generate (its same-run figure is needed only for the speedup)
            hf=--hf; [ "${HF:-}" = none ] && hf=
-           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants separate_rope+keep_addmm+compile_prefill --out "$RES/rollout.partial.json" ;;
+           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-separate_rope}" --out "$RES/rollout.partial.json" ;;
+  code)    # inductor's generated code of the compiled prefill and decode step (gzipped)
+           TORCH_LOGS=output_code timeout 300 python3 tools/bench_rollout.py --batch 64 --new-tokens 4 \
+             --compile --compile-prefill > /dev/null 2> "$RES/output_code.log"
+           echo "code rc=$?" | tee -a "$RES/session.log"; gzip -f "$RES/output_code.log"; pack ;;
   probe)   run probe python3 bench/probes/decode_step.py
            ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
            [ -n "$ncu" ] && timeout 240 "$ncu" --clock-control none -k 'regex:_split_kernel|nvjet|splitK' -c 24 \

@@ -368,10 +368,14 @@ from hybridengine.rollout.attention import grouped_sdpa
 torch.manual_seed(0)
 S, L, hkv, G, d = 5, 200, 2, 7, 64
 rope = RotaryEmbedding(d, 10000.0)
-# 64 "SMs": several splits (empty ones too) and the merge; 1: one split, no merge
-for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
-                        (torch.float32, 1e-5, 1), (torch.float16, 2e-3, 1)):
+# 64 "SMs": several splits (empty ones too) and the merge; 1: one split, no merge; 128 / 512
+# bytes per cached token: one K/V head per program, or both side by side
+for dtype, tol, sms, row_bytes in ((torch.float32, 1e-5, 64, 512),
+                                   (torch.float16, 2e-3, 64, 128),
+                                   (torch.float32, 1e-5, 1, 128), (torch.float16, 2e-3, 1, 512)):
     da._num_sms = lambda device, n=sms: n
+    da.ROW_BYTES = row_bytes
+    assert da.kv_heads_per_program(hkv, d, dtype.itemsize) == (2 if row_bytes == 512 else 1)
     assert (da.split_len(4, hkv, L, sms) < L) == (sms > 1)
     k, v = (torch.randn(S + 1, L, hkv, d).to(dtype) for _ in range(2))
     slots = torch.tensor([3, 0, 4, 5])

@@ -207,9 +207,8 @@ def parse_args(argv=None):
                     help="comma list of extra engine runs to compare, each changing knobs: "
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
                          "CUDA graphs), compile, compile_prefill, torch_sampler, autotune "
-                         "(compile in inductor's max-autotune mode), separate_rope, keep_addmm "
-                         "(compile without SplitResidualAddmm); '+' combines them "
-                         "(triton+compile)")
+                         "(compile in inductor's max-autotune mode), separate_rope, prefill_64k "
+                         "(--max-prefill-tokens 65536); '+' combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
     ap.add_argument("--out", default=None,
@@ -268,7 +267,7 @@ def main(argv=None) -> None:
              "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"},
              "autotune": {"compile": "max-autotune"},
              "separate_rope": {"separate_rope": True},
-             "keep_addmm": {"compile": "inductor-keep-addmm"}}
+             "prefill_64k": {"max_prefill_tokens": 65536}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

@@ -3,7 +3,8 @@ the rollout benchmark (Qwen2.5-0.5B shape, 256 rows, 640 cached tokens of 768, b
 timed inside a CUDA graph (triton.testing.do_bench_cudagraph), JSON lines out:
 
 1. attention: the Triton decode kernel after a separate cache write against the fused form
-   (RoPE + cache write + attention in one launch), and the fused form's launch settings;
+   (RoPE + cache write + attention in one launch), and the fused form's settings (K/V heads
+   per program, splits, key tile, warps, stages);
 2. gemm: the step's five matmul shapes at M = 256 (cuBLAS through torch), against their
    bandwidth and FLOP floors.
 
@@ -62,21 +63,27 @@ def attention(dev):
     emit(probe="attention", ms=res, fused_gbps=kv_bytes / res["fused"] / 1e6,
          max_err=(out.float() - ref.float()).abs().max().item())
     rows = []
-    base = dict(da.LAUNCH)
-    for block_n in (32, 64, 128):
-        for warps in (2, 4):
-            for stages in (2, 3, 4):
-                da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
-                try:
-                    err = (fused().float() - ref.float()).abs().max().item()
-                    rows.append((triton.testing.do_bench_cudagraph(fused, rep=50), block_n,
-                                 warps, stages, err))
-                except Exception as e:    # noqa: BLE001 - a setting that fails is listed
-                    rows.append((1e9, block_n, warps, stages, repr(e)[:80]))
-    da.BLOCK_N, da.LAUNCH = 64, base
-    rows.sort()
-    emit(probe="attention_sweep", best=[dict(ms=r[0], gbps=kv_bytes / r[0] / 1e6, block_n=r[1],
-                                             warps=r[2], stages=r[3], err=r[4]) for r in rows])
+    base = (da.BLOCK_N, dict(da.LAUNCH), da.ROW_BYTES, da.split_len)
+    for row_bytes in (128, 256):          # one K/V head per program, or both side by side
+        for splits in (1, 2):
+            for block_n in (32, 64):
+                for warps in (2, 4):
+                    for stages in (2, 3):
+                        da.BLOCK_N, da.ROW_BYTES = block_n, row_bytes
+                        da.LAUNCH = dict(num_warps=warps, num_stages=stages)
+                        da.split_len = lambda *a, n=splits, bn=block_n: \
+                            -(-L // (n * bn)) * bn
+                        setting = dict(row_bytes=row_bytes, splits=splits, block_n=block_n,
+                                       warps=warps, stages=stages)
+                        try:
+                            err = (fused().float() - ref.float()).abs().max().item()
+                            ms = triton.testing.do_bench_cudagraph(fused, rep=50)
+                            rows.append(dict(ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
+                                             **setting))
+                        except Exception as e:    # noqa: BLE001 - a failing setting is listed
+                            rows.append(dict(ms=1e9, error=repr(e)[:80], **setting))
+    da.BLOCK_N, da.LAUNCH, da.ROW_BYTES, da.split_len = base
+    emit(probe="attention_sweep", best=sorted(rows, key=lambda row: row["ms"]))
 
 
 def gemm_shapes():

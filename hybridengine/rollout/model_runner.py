@@ -26,7 +26,6 @@ from torch.profiler import record_function
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0, group_size
 from hybridengine.rollout.attention import DecodeContext, PrefillContext, resolve_backend
-from hybridengine.rollout.inductor_passes import SplitResidualAddmm
 from hybridengine.rollout.kv_cache import KVCache, kv_bytes_per_token, plan_num_slots
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample, uniforms
 from hybridengine.rollout.scheduler import Sequence
@@ -90,13 +89,12 @@ class ModelRunner:
         # Inductor on torch 2.11 (bench/RESULTS.md). A string names the compile backend (tests
         # use "aot_eager"); "max-autotune": inductor benchmarks its GEMM templates against
         # cuBLAS for the decode step's small-M matmuls, a benchmark variant: slower on an H200
-        # (78.9k against 82.4k generated tok/s, 93 s of warm-up against 55 s). Inductor runs
-        # with SplitResidualAddmm (rollout/inductor_passes.py); "inductor-keep-addmm" without
-        # it (a benchmark variant).
+        # (78.9k against 82.4k generated tok/s, 93 s of warm-up against 55 s).
         self._decode_body, self.compiled = self._decode_hidden, bool(compile)
         self._uniforms, self._commit_rows = uniforms, self._commit
         if compile:
-            how = _compile_options(compile)
+            how = {"mode": "max-autotune-no-cudagraphs"} if compile == "max-autotune" else \
+                {"backend": compile if isinstance(compile, str) else "inductor"}
             self._decode_body = torch.compile(self._decode_hidden, **how)
             self._uniforms = torch.compile(uniforms, dynamic=True, **how)
             self._commit_rows = torch.compile(self._commit, dynamic=True, **how)
@@ -104,8 +102,9 @@ class ModelRunner:
         # number of tokens and prompts). A failure to compile falls back to eager, once.
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
         if compile_prefill:
-            self._prefill_body = torch.compile(self._prefill_hidden, dynamic=True,
-                                               **_compile_options(compile_prefill))
+            backend = compile_prefill if isinstance(compile_prefill, str) else "inductor"
+            self._prefill_body = torch.compile(self._prefill_hidden, backend=backend,
+                                               dynamic=True)
         c = model.cfg
         heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
         self.backend = resolve_backend(attn_backend, self.device, self.dtype, heads)
@@ -371,19 +370,6 @@ class ModelRunner:
             self._graph_pool = graph.pool()
         self.graphs[key] = graph
         return graph
-
-
-def _compile_options(compile: bool | str) -> dict:
-    """torch.compile keyword arguments of the decode step: True / "inductor", "max-autotune",
-    "inductor-keep-addmm", or another backend's name ("aot_eager" in tests)."""
-    split = {"post_grad_custom_post_pass": SplitResidualAddmm()}
-    if compile == "max-autotune":
-        return {"mode": "max-autotune-no-cudagraphs", "options": split}
-    if compile is True or compile == "inductor":
-        return {"backend": "inductor", "options": split}
-    if compile == "inductor-keep-addmm":
-        return {"backend": "inductor"}
-    return {"backend": compile}
 
 
 def _prefill_plan(seqs: list[Sequence]) -> dict:
