@@ -9,6 +9,7 @@ setup(
     install_requires=[
         "torch>=2.11",
         "transformers>=5.16.1,<5.20",
+        "numpy>=1.24",
         "safetensors>=0.4",
         "sentencepiece>=0.2",
         "omegaconf>=2.3",

@@ -368,14 +368,10 @@ from hybridengine.rollout.attention import grouped_sdpa
 torch.manual_seed(0)
 S, L, hkv, G, d = 5, 200, 2, 7, 64
 rope = RotaryEmbedding(d, 10000.0)
-# 64 "SMs": several splits (empty ones too) and the merge; 1: one split, no merge; 128 / 512
-# bytes per cached token: one K/V head per program, or both side by side
-for dtype, tol, sms, row_bytes in ((torch.float32, 1e-5, 64, 512),
-                                   (torch.float16, 2e-3, 64, 128),
-                                   (torch.float32, 1e-5, 1, 128), (torch.float16, 2e-3, 1, 512)):
+# 64 "SMs": several splits (empty ones too) and the merge; 1: one split, no merge
+for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
+                        (torch.float32, 1e-5, 1), (torch.float16, 2e-3, 1)):
     da._num_sms = lambda device, n=sms: n
-    da.ROW_BYTES = row_bytes
-    assert da.kv_heads_per_program(hkv, d, dtype.itemsize) == (2 if row_bytes == 512 else 1)
     assert (da.split_len(4, hkv, L, sms) < L) == (sms > 1)
     k, v = (torch.randn(S + 1, L, hkv, d).to(dtype) for _ in range(2))
     slots = torch.tensor([3, 0, 4, 5])
@@ -389,15 +385,22 @@ for dtype, tol, sms, row_bytes in ((torch.float32, 1e-5, 64, 512),
     kg, vg = (t[slots].transpose(1, 2).float() for t in (k, v))
     err = (out.float() - grouped_sdpa(q.float(), kg, vg, mask)).abs().max().item()
     assert out.dtype == dtype and err < tol, (dtype, err)
-    # the fused form: RoPE of q and k_new, k_new / v_new written at seqlens - 1, attention
-    cos, sin = rope(seqlens.long() - 1, dtype)
+    # the fused form: RoPE of q and k_new, k_new / v_new written at the slot's position (the
+    # last row sits one past the cache: it writes at L - 1 and reads all L), attention
+    by_slot = torch.full((S + 1,), 10**6)
+    by_slot[slots] = torch.tensor([0, 199, 76, 200])
+    pos = by_slot[slots].clamp(max=L - 1)
+    cos, sin = rope(by_slot[slots])
     kc, vc = k.clone(), v.clone()
-    out = decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, slots, seqlens)
-    qk = apply_rope(qkv[:, :-hkv].float(), cos.float(), sin.float()).to(dtype)
-    k[slots, seqlens.long() - 1] = qk[:, hkv * G:]
-    v[slots, seqlens.long() - 1] = v_new
+    out = decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, slots, by_slot)
+    # the tables rounded to the dtype as apply_rope does, one rounding at the end (as the
+    # compiled apply_rope computes it)
+    qk = apply_rope(qkv[:, :-hkv].float(), cos.to(dtype).float(), sin.to(dtype).float()).to(dtype)
+    k[slots, pos] = qk[:, hkv * G:]
+    v[slots, pos] = v_new
     assert torch.equal(kc, k) and torch.equal(vc, v), dtype     # the cache write, bit for bit
     kg, vg = (t[slots].transpose(1, 2).float() for t in (k, v))
+    mask = (torch.arange(L) <= pos.unsqueeze(1))[:, None, None, :]
     ref = grouped_sdpa(qk[:, : hkv * G].float(), kg, vg, mask)
     err = (out.float() - ref).abs().max().item()
     assert out.dtype == dtype and err < tol, (dtype, err, "rope")

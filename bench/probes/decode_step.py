@@ -3,8 +3,9 @@ the rollout benchmark (Qwen2.5-0.5B shape, 256 rows, 640 cached tokens of 768, b
 timed inside a CUDA graph (triton.testing.do_bench_cudagraph), JSON lines out:
 
 1. attention: the Triton decode kernel after a separate cache write against the fused form
-   (RoPE + cache write + attention in one launch), and the fused form's settings (K/V heads
-   per program, splits, key tile, warps, stages);
+   (RoPE + cache write + attention in one launch), and the fused form's settings (splits,
+   key tile, warps, stages; call 2 of session 5 also swept two K/V heads side by side per
+   program, since removed);
 2. gemm: the step's five matmul shapes at M = 256 (cuBLAS through torch), against their
    bandwidth and FLOP floors.
 
@@ -34,18 +35,19 @@ def attention_inputs(dev):
     kc = torch.randn(B + 1, L, HKV, D, device=dev, generator=g).to(bf)
     vc = torch.randn_like(kc)
     slots = torch.arange(B, device=dev)
-    seqlens = torch.full((B,), CTX, device=dev, dtype=torch.int32)
-    cos, sin = RotaryEmbedding(D, 1e6, dev)(seqlens.long() - 1, bf)
-    return qkv, kc, vc, slots, seqlens, cos, sin
+    by_slot = torch.full((B + 1,), CTX - 1, device=dev)        # the new token's position
+    cos, sin = RotaryEmbedding(D, 1e6, dev)(by_slot[:B])
+    return qkv, kc, vc, slots, by_slot, cos, sin
 
 
 def attention(dev):
     import triton
     from hybridengine.kernels import decode_attention as da
     from hybridengine.models.attention import apply_rope
-    qkv, kc, vc, slots, seqlens, cos, sin = attention_inputs(dev)
+    qkv, kc, vc, slots, by_slot, cos, sin = attention_inputs(dev)
     q, k_new, v_new = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
-    pos = seqlens.long() - 1
+    pos = by_slot[slots]
+    seqlens = (pos + 1).to(torch.int32)
 
     def separate():           # what the decode step ran before the fused form
         qk = apply_rope(qkv[:, :HQ + HKV], cos, sin)
@@ -54,7 +56,7 @@ def attention(dev):
         return da.decode_attention(qk[:, :HQ], kc, vc, slots, seqlens)
 
     def fused():
-        return da.decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, slots, seqlens)
+        return da.decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, slots, by_slot)
 
     ref, out = separate(), fused()
     kv_bytes = B * CTX * HKV * D * 2 * 2
@@ -63,27 +65,22 @@ def attention(dev):
     emit(probe="attention", ms=res, fused_gbps=kv_bytes / res["fused"] / 1e6,
          max_err=(out.float() - ref.float()).abs().max().item())
     rows = []
-    base = (da.BLOCK_N, dict(da.LAUNCH), da.ROW_BYTES, da.split_len)
-    for row_bytes in (128, 256):          # one K/V head per program, or both side by side
-        for splits in (1, 2):
-            for block_n in (32, 64):
-                for warps in (2, 4):
-                    for stages in (2, 3):
-                        da.BLOCK_N, da.ROW_BYTES = block_n, row_bytes
-                        da.LAUNCH = dict(num_warps=warps, num_stages=stages)
-                        da.split_len = lambda *a, n=splits, bn=block_n: \
-                            -(-L // (n * bn)) * bn
-                        setting = dict(row_bytes=row_bytes, splits=splits, block_n=block_n,
-                                       warps=warps, stages=stages)
-                        try:
-                            err = (fused().float() - ref.float()).abs().max().item()
-                            ms = triton.testing.do_bench_cudagraph(fused, rep=50)
-                            rows.append(dict(ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
-                                             **setting))
-                        except Exception as e:    # noqa: BLE001 - a failing setting is listed
-                            rows.append(dict(ms=1e9, error=repr(e)[:80], **setting))
-    da.BLOCK_N, da.LAUNCH, da.ROW_BYTES, da.split_len = base
-    emit(probe="attention_sweep", best=sorted(rows, key=lambda row: row["ms"]))
+    base = (da.BLOCK_N, dict(da.LAUNCH), da.split_len)
+    for splits in (1, 2):
+        for block_n in (32, 64):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
+                    da.split_len = lambda *a, n=splits, bn=block_n: -(-L // (n * bn)) * bn
+                    setting = dict(splits=splits, block_n=block_n, warps=warps, stages=stages)
+                    try:
+                        err = (fused().float() - ref.float()).abs().max().item()
+                        ms = triton.testing.do_bench_cudagraph(fused, rep=50)
+                        rows.append(dict(ms=ms, gbps=kv_bytes / ms / 1e6, err=err, **setting))
+                    except Exception as e:    # noqa: BLE001 - a failing setting is listed
+                        rows.append(dict(ms=1e9, error=repr(e)[:80], **setting))
+    da.BLOCK_N, da.LAUNCH, da.split_len = base
+    emit(probe="attention_sweep", best=sorted(rows, key=lambda row: row["ms"])[:12])
 
 
 def gemm_shapes():
@@ -105,10 +102,10 @@ def gemm(dev):
 
 def ncu_targets(dev):
     from hybridengine.kernels import decode_attention as da
-    qkv, kc, vc, slots, seqlens, cos, sin = attention_inputs(dev)
+    qkv, kc, vc, slots, by_slot, cos, sin = attention_inputs(dev)
     for _ in range(3):
         da.decode_attention_rope(qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:], cos, sin,
-                                 kc, vc, slots, seqlens)
+                                 kc, vc, slots, by_slot)
     for name, n, k in gemm_shapes():
         x = torch.randn(B, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)

@@ -107,7 +107,7 @@ def _(position_ids, inv_freq):
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for the rotate-half RoPE of Llama/Qwen2 (inv_freq = θ^(-2i/d)). The sin
+    """fp32 cos/sin tables for the rotate-half RoPE of Llama/Qwen2 (inv_freq = θ^(-2i/d)). The sin
     table carries rotate-half's sign (first half negated), so that apply_rope needs no negation
     kernel: the tables are built once per forward (rope_tables), the rotation runs per layer."""
 
@@ -117,16 +117,17 @@ class RotaryEmbedding(torch.nn.Module):
                                / head_dim))
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        cos, sin = rope_tables(position_ids, self.inv_freq)
-        return cos.to(dtype), sin.to(dtype)
+    def forward(self, position_ids: torch.Tensor):
+        return rope_tables(position_ids, self.inv_freq)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, h, d] (any strides); cos, signed_sin [T, d] from RotaryEmbedding. Equals HF's
-    x·cos + rotate_half(x)·sin bit for bit: rotate_half(x) = [−x₂, x₁], and −x₂·s = x₂·(−s)."""
+    """x [T, h, d] (any strides); fp32 cos, signed_sin [T, d] from RotaryEmbedding, rounded to
+    x's dtype first as HF does. Equals HF's x·cos + rotate_half(x)·sin bit for bit:
+    rotate_half(x) = [−x₂, x₁], and −x₂·s = x₂·(−s)."""
     half = x.shape[-1] // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    cos, signed_sin = cos.to(x.dtype), signed_sin.to(x.dtype)
     return x * cos.unsqueeze(1) + swapped * signed_sin.unsqueeze(1)
 
 

@@ -198,7 +198,7 @@ class Decoder(nn.Module):
         """First stage: embeds packed.input_ids; later stages take `hidden` ([T/tp, H] under SP).
         Returns the residual stream after this stage's layers, normed on the last stage."""
         h = self.embed_tokens(packed.input_ids) if self.is_first else hidden
-        cos, sin = self.rotary(packed.position_ids, h.dtype)
+        cos, sin = self.rotary(packed.position_ids)
         ctx = attn_ctx or PackedCausalAttention(packed)
         recompute = self.recompute_layers and self.training and torch.is_grad_enabled()
         for layer in self.layers:

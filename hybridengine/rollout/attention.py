@@ -113,10 +113,12 @@ class DecodeContext:
     def __init__(self, cache: KVCache, layer_start: int, slots: torch.Tensor,
                  positions: torch.Tensor, backend: str, max_k: int,
                  cu_q: torch.Tensor | None = None, cu_k_tail: torch.Tensor | None = None,
-                 fused_rope: bool = True):
+                 slot_positions: torch.Tensor | None = None):
         self.cache, self.layer_start, self.backend = cache, layer_start, backend
         self.slots, self.max_k = slots, max_k
-        self.applies_rope = backend == "triton" and fused_rope
+        # the fused triton form reads the runner's per-slot position state itself
+        self.slot_positions = slot_positions
+        self.applies_rope = backend == "triton" and slot_positions is not None
         L = cache.max_model_len
         # A finished row still in the batch (one step of lag) may sit at position L: clamp its
         # harmless write into its own row.
@@ -149,12 +151,12 @@ class DecodeContext:
         return grouped_sdpa(q, kc, vc, self.mask)
 
     def attend_rope(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
-        """attend() from the unrotated q, k (RoPE tables cos, signed sin [B, d]), in one kernel
-        (triton backend only)."""
+        """attend() from the unrotated q, k (fp32 RoPE tables cos, signed sin [B, d]), in one
+        kernel (triton backend with slot_positions)."""
         layer = layer_idx - self.layer_start
         return triton_decode.decode_attention_rope(q, k, v, cos, sin, self.cache.k[layer],
                                                    self.cache.v[layer], self.slots,
-                                                   self.seqused)
+                                                   self.slot_positions)
 
 
 def grouped_flash_decode(q, kf, vf, cu_q, cu_k, seqused, max_k) -> torch.Tensor:
@@ -219,9 +221,11 @@ def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str,
             ctx = DecodeContext(cache, 0, slots, pos, name, 64, cu_q, tail)
             outs[name] = ctx.attend(0, q, k_new, k_new).float()
         if backend == "triton":     # the fused form too, with an identity rotation
-            cos, sin = torch.ones(3, d, device=device, dtype=dtype), q.new_zeros(3, d)
-            ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail)
-            outs["rope"] = ctx.attend_rope(0, q, k_new, k_new, cos, sin).float()
+            cos = torch.ones(3, d, device=device)
+            by_slot = torch.zeros(cache.num_slots + 1, dtype=torch.long, device=device)
+            by_slot[slots] = pos
+            ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail, by_slot)
+            outs["rope"] = ctx.attend_rope(0, q, k_new, k_new, cos, 0 * cos).float()
         err = max((outs[b] - outs["sdpa"]).abs().max().item() for b in outs)
         if err < 2e-2:
             return True

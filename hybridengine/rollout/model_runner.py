@@ -18,8 +18,10 @@ them to the host once per generate call.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -274,25 +276,33 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> Pending:
         """Prefill each distinct prompt once, write its K/V into every sample's row, sample
         each sequence's first token."""
-        plan = _prefill_plan(seqs)
-        packed = PackedInput(self._h2d(plan["ids"]), self._h2d(plan["positions"]),
-                             self._h2d(plan["cu"]).to(torch.int32), plan["max_len"])
-        ctx = PrefillContext(self.cache, self.model.layer_start, packed, self._h2d(plan["src"]),
-                             self._h2d(plan["dst_slot"]), self._h2d(plan["dst_pos"]))
-        slots = self._h2d([s.slot for s in seqs])
+        plan, max_len = _prefill_plan(seqs)
+        t = self._h2d_arrays(plan)             # one host-to-device copy for every index list
+        packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
+        ctx = PrefillContext(self.cache, self.model.layer_start, packed, t["src"],
+                             t["dst_slot"], t["dst_pos"])
+        slots = t["slots"]
         # the last prompt token is the "current" one: the commit moves each row to the first
         # generated token's position, len(prompt)
-        self.positions[slots] = self._h2d([len(s.prompt) - 1 for s in seqs])
+        self.positions[slots] = t["last_pos"]
         self.counts[slots] = 0
-        self.keys[slots] = self._h2d([s.key for s in seqs])
-        self.max_gen[slots] = self._h2d([s.max_gen for s in seqs])
+        self.keys[slots] = t["keys"]
+        self.max_gen[slots] = t["max_gen"]
         self.active[slots] = True
         with torch.no_grad(), record_function("prefill"):
             h = self._prefill_forward(packed, ctx)                             # [T, H]
-            h = h.index_select(0, self._h2d(plan["last"]))                     # [prompts, H]
-            h = h.index_select(0, self._h2d(plan["row_prompt"]))               # [seqs, H]
+            h = h.index_select(0, t["last"])                                   # [prompts, H]
+            h = h.index_select(0, t["row_prompt"])                             # [seqs, H]
             fin = self._sample_and_commit(slots, self.positions[slots], h)
         return Pending([s.slot for s in seqs], fin)
+
+    def _h2d_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """int64 host arrays on the device through one pinned, non-blocking copy (views)."""
+        sizes = [a.size for a in arrays.values()]
+        flat = torch.from_numpy(np.concatenate(list(arrays.values())))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        return dict(zip(arrays, flat.split(sizes)))
 
     def _prefill_hidden(self, packed: PackedInput, ctx: PrefillContext) -> torch.Tensor:
         return self.model(packed, attn_ctx=ctx)
@@ -340,7 +350,7 @@ class ModelRunner:
         tok, pos = self.tokens[slots], self.positions[slots]
         cu_q = torch.arange(slots.shape[0] + 1, dtype=torch.int32, device=slots.device)
         ctx = DecodeContext(self.cache, self.model.layer_start, slots, pos, self.backend, max_k,
-                            cu_q, self.cu_k_tail, self.fused_rope)
+                            cu_q, self.cu_k_tail, self.positions if self.fused_rope else None)
         return self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
 
     def _graph(self, bucket: int):
@@ -372,28 +382,34 @@ class ModelRunner:
         return graph
 
 
-def _prefill_plan(seqs: list[Sequence]) -> dict:
-    """Host-side index lists of a prefill: the packed distinct prompts (ids, positions, cu,
-    max_len), for every sequence's cache row the packed token each position copies
-    (src -> (dst_slot, dst_pos)), the last token of each prompt, and each sequence's prompt."""
+def _prefill_plan(seqs: list[Sequence]) -> tuple[dict[str, np.ndarray], int]:
+    """Host-side int64 index arrays of a prefill, and the longest prompt: the packed distinct
+    prompts (ids, positions, cu); for every sequence's cache row the packed token each position
+    copies (src -> (dst_slot, dst_pos)); the last token of each prompt; per sequence its prompt
+    (row_prompt), slot, last prompt position, random key and token budget. Built with numpy
+    from the prompts' lengths: only the token ids pass through Python one by one."""
     groups: dict[int, list[Sequence]] = {}
     for s in seqs:
         groups.setdefault(s.prompt_index, []).append(s)
-    plan = {k: [] for k in ("ids", "positions", "src", "dst_slot", "dst_pos", "last",
-                            "row_prompt")}
-    plan["cu"] = [0]
-    row_prompt = {}
-    for g, members in enumerate(groups.values()):
-        prompt, start = members[0].prompt, len(plan["ids"])
-        plan["ids"] += prompt
-        plan["positions"] += range(len(prompt))
-        plan["cu"].append(len(plan["ids"]))
-        plan["last"].append(len(plan["ids"]) - 1)
-        for s in members:
-            plan["src"] += range(start, start + len(prompt))
-            plan["dst_slot"] += [s.slot] * len(prompt)
-            plan["dst_pos"] += range(len(prompt))
-            row_prompt[s.seq_id] = g
-    plan["row_prompt"] = [row_prompt[s.seq_id] for s in seqs]
-    plan["max_len"] = max(len(m[0].prompt) for m in groups.values())
-    return plan
+    members = [m for m in groups.values()]
+    lens = np.array([len(m[0].prompt) for m in members], dtype=np.int64)
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    total = int(cu[-1])
+    ids = np.fromiter(itertools.chain.from_iterable(m[0].prompt for m in members), np.int64,
+                      total)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lens)
+    row_group = np.array([g for g, m in enumerate(members) for _ in m], dtype=np.int64)
+    row_len = lens[row_group]
+    dst_pos = np.arange(int(row_len.sum()), dtype=np.int64) - \
+        np.repeat(np.cumsum(row_len) - row_len, row_len)
+    src = np.repeat(cu[:-1][row_group], row_len) + dst_pos
+    dst_slot = np.repeat(np.array([s.slot for m in members for s in m], dtype=np.int64), row_len)
+    group_of = {s.seq_id: g for g, m in enumerate(members) for s in m}
+    per_seq = {"slots": [s.slot for s in seqs], "last_pos": [len(s.prompt) - 1 for s in seqs],
+               "keys": [s.key for s in seqs], "max_gen": [s.max_gen for s in seqs],
+               "row_prompt": [group_of[s.seq_id] for s in seqs]}
+    plan = {"ids": ids, "positions": positions, "cu": cu, "src": src, "dst_slot": dst_slot,
+            "dst_pos": dst_pos, "last": cu[1:] - 1,
+            **{k: np.array(v, dtype=np.int64) for k, v in per_seq.items()}}
+    return plan, int(lens.max())
