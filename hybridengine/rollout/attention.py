@@ -8,9 +8,10 @@ over the fresh packed K/V (no cached prefix exists), through the core PackedCaus
 DecodeContext: one new token per row; K/V written at (slot, position), then attention over the
 row's cached prefix, by one of four backends:
   triton split-KV flash-decoding over the cache (kernels/decode_attention.py): one program per
-         (row, K/V head, split of the keys) computes the G query heads of that K/V head. The
-         context sets `applies_rope`: the decoder hands it q and k unrotated, and RoPE, the
-         cache write and attention run in one kernel (`attend_rope`).
+         (row, K/V head, split of the keys) computes the G query heads of that K/V head. Given
+         the runner's per-slot position state (`slot_positions`), the context sets
+         `applies_rope`: the decoder hands it q and k unrotated, and RoPE, the cache write and
+         attention run in one kernel (`attend_rope`).
   flash  flash-attention varlen with seqused_k over the flat cache: cu_seqlens_k[i] =
          slot_i·max_model_len (rows sorted by slot, so increasing), seqused_k = length. It reads
          only the used tokens. The G = h_q/h_kv query heads that share a K/V head enter as G
@@ -108,7 +109,8 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
 class DecodeContext:
     """One query token per row. slots [B] int64 sorted (padding rows: the scratch slot last),
     positions [B] int64 = where this step's token goes; max_k: keys the sdpa backend reads
-    (max_model_len under a CUDA graph)."""
+    (max_model_len under a CUDA graph); slot_positions [num_slots + 1]: the position state
+    by slot (positions = slot_positions[slots]), for the fused triton form."""
 
     def __init__(self, cache: KVCache, layer_start: int, slots: torch.Tensor,
                  positions: torch.Tensor, backend: str, max_k: int,
