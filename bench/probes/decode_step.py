@@ -3,10 +3,11 @@ the rollout benchmark (Qwen2.5-0.5B shape, 256 rows, 640 cached tokens of 768, b
 timed inside a CUDA graph (triton.testing.do_bench_cudagraph), JSON lines out:
 
 1. attention: the Triton decode kernel after a separate cache write against the fused form
-   (RoPE + cache write + attention in one launch), and the fused form's settings (splits,
-   key tile, warps, stages; call 2 of session 5 also swept two K/V heads side by side per
-   program, since removed);
-2. gemm: the step's five matmul shapes at M = 256 (cuBLAS through torch), against their
+   (RoPE + cache write + attention in one launch), and the fused form on a token-major and a
+   head-major cache (calls 2-3 swept its splits, key tile, warps and stages, call 2 also two
+   K/V heads side by side per program);
+2. swiglu: cuBLAS gate/up + a compiled SwiGLU kernel against one Triton kernel (below);
+3. gemm: the step's five matmul shapes at M = 256 (cuBLAS through torch), against their
    bandwidth and FLOP floors.
 
     python3 bench/probes/decode_step.py            # all parts
@@ -21,6 +22,66 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 B, HQ, HKV, D, L, CTX, H, FFN, VOCAB = 256, 14, 2, 64, 768, 640, 896, 4864, 151936
+
+
+# The one-kernel gate/up projection + SwiGLU that call 4 timed against cuBLAS + a compiled
+# SwiGLU kernel (it lost: 13.9 against 12.4 µs, bench/RESULTS.md); kept here to reproduce it.
+# One program computes a [BLOCK_M, BLOCK_N] output tile from the matching gate and up tiles;
+# each product is rounded to x's dtype before the SwiGLU, as the unfused projection stores it.
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _swiglu_kernel(X, W, Out, M, F, K, stride_xm, stride_wn, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < F
+        x_ptr = X + rm[:, None] * stride_xm + rk[None, :]
+        g_ptr = W + rn[:, None] * stride_wn + rk[None, :]               # gate rows
+        u_ptr = g_ptr + F * stride_wn                                   # up rows
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptr, mask=m_ok[:, None], other=0.0)
+                g = tl.load(g_ptr, mask=n_ok[:, None], other=0.0)
+                u = tl.load(u_ptr, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = (k0 + rk) < K
+                a = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(g_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                u = tl.load(u_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=PRECISION)
+            x_ptr += BLOCK_K
+            g_ptr += BLOCK_K
+            u_ptr += BLOCK_K
+        gate = acc_g.to(Out.dtype.element_ty).to(tl.float32)
+        up = acc_u.to(Out.dtype.element_ty).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(Out + rm[:, None] * stride_om + rn[None, :], out.to(Out.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+def swiglu_matmul(x, w, config):
+    """silu(x @ w[:F]^T) * (x @ w[F:]^T), x [M, K], w [2F, K] (gate rows first), one kernel."""
+    M, K = x.shape
+    F = w.shape[0] // 2
+    out = torch.empty(M, F, dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps, stages = config
+    _swiglu_kernel[(triton.cdiv(M, bm), triton.cdiv(F, bn))](
+        x, w, out, M, F, K, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, PRECISION="tf32",
+        num_warps=warps, num_stages=stages)
+    return out
 
 
 def emit(**kw):
@@ -41,7 +102,6 @@ def attention_inputs(dev):
 
 
 def attention(dev):
-    import triton
     from hybridengine.kernels import decode_attention as da
     from hybridengine.models.attention import apply_rope
     qkv, kc, vc, slots, by_slot, cos, sin = attention_inputs(dev)
@@ -64,23 +124,55 @@ def attention(dev):
            for name, fn in (("separate_rope_write_attention", separate), ("fused", fused))}
     emit(probe="attention", ms=res, fused_gbps=kv_bytes / res["fused"] / 1e6,
          max_err=(out.float() - ref.float()).abs().max().item())
+    # the cache layout: token-major (the KVCache's [slot, token, head, d]) against head-major
+    # ([slot, head, token, d], passed as a permuted view: the kernel takes any strides)
     rows = []
-    base = (da.BLOCK_N, dict(da.LAUNCH), da.split_len)
-    for splits in (1, 2):
-        for block_n in (32, 64):
-            for warps in (2, 4, 8):
-                for stages in (2, 3, 4):
-                    da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
-                    da.split_len = lambda *a, n=splits, bn=block_n: -(-L // (n * bn)) * bn
-                    setting = dict(splits=splits, block_n=block_n, warps=warps, stages=stages)
-                    try:
-                        err = (fused().float() - ref.float()).abs().max().item()
-                        ms = triton.testing.do_bench_cudagraph(fused, rep=50)
-                        rows.append(dict(ms=ms, gbps=kv_bytes / ms / 1e6, err=err, **setting))
-                    except Exception as e:    # noqa: BLE001 - a failing setting is listed
-                        rows.append(dict(ms=1e9, error=repr(e)[:80], **setting))
-    da.BLOCK_N, da.LAUNCH, da.split_len = base
-    emit(probe="attention_sweep", best=sorted(rows, key=lambda row: row["ms"])[:12])
+    base = (da.BLOCK_N, dict(da.LAUNCH))
+    heads_major = [t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (kc, vc)]
+    for layout, (k_cache, v_cache) in (("token_major", (kc, vc)), ("head_major", heads_major)):
+        for block_n, warps, stages in ((64, 4, 3), (64, 2, 3), (128, 4, 2), (128, 8, 3),
+                                       (32, 4, 3)):
+            da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
+
+            def run():
+                return da.decode_attention_rope(q, k_new, v_new, cos, sin, k_cache, v_cache,
+                                                slots, by_slot)
+            err = (run().float() - ref.float()).abs().max().item()
+            ms = triton.testing.do_bench_cudagraph(run, rep=50)
+            rows.append(dict(layout=layout, ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
+                             block_n=block_n, warps=warps, stages=stages))
+    da.BLOCK_N, da.LAUNCH = base
+    emit(probe="attention_layout", rows=sorted(rows, key=lambda row: row["ms"]))
+
+
+def swiglu(dev):
+    """The decode step's gate/up projection + SwiGLU: cuBLAS + a compiled SwiGLU kernel
+    against the one-kernel Triton form above over its tile settings."""
+    x = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(2 * FFN, H, device=dev, dtype=torch.bfloat16) / 30
+    act = torch.compile(lambda y: torch.nn.functional.silu(y[:, :FFN]) * y[:, FFN:])
+
+    def unfused():
+        return act(torch.nn.functional.linear(x, w))
+    ref = unfused()
+    res = {"cublas_gate_up": triton.testing.do_bench_cudagraph(
+        lambda: torch.nn.functional.linear(x, w), rep=50),
+        "cublas_plus_compiled_swiglu": triton.testing.do_bench_cudagraph(unfused, rep=50)}
+    rows = []
+    for bm in (64, 128):
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        config = (bm, bn, bk, warps, stages)
+                        try:
+                            err = (swiglu_matmul(x, w, config).float() - ref.float()).abs().max()
+                            ms = triton.testing.do_bench_cudagraph(
+                                lambda: swiglu_matmul(x, w, config), rep=50)
+                            rows.append(dict(ms=ms, err=err.item(), config=config))
+                        except Exception as e:    # noqa: BLE001 - a failing setting is listed
+                            rows.append(dict(ms=1e9, error=repr(e)[:80], config=config))
+    emit(probe="swiglu", ms=res, best=sorted(rows, key=lambda row: row["ms"])[:10])
 
 
 def gemm_shapes():
@@ -90,7 +182,6 @@ def gemm_shapes():
 
 
 def gemm(dev):
-    import triton
     peak_bw, peak_flops = 4.8e12, 989e12
     for name, n, k in gemm_shapes():
         x = torch.randn(B, k, device=dev, dtype=torch.bfloat16)
@@ -120,6 +211,7 @@ def main():
     if "--ncu" in sys.argv:
         return ncu_targets(dev)
     attention(dev)
+    swiglu(dev)
     gemm(dev)
 
 
