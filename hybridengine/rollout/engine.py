@@ -127,7 +127,9 @@ class Engine:
         if not prompts:
             return []
         seed = params.seed if params.seed is not None else self._shared_seed()
-        seqs = [Sequence(i * params.n + j, i, [int(t) for t in p],
+        # prompts as given (lists of ints, numpy or tensor ids alike: the prefill plan reads
+        # them through numpy); a copy per token cost ~15 ms per 131k prompt tokens
+        seqs = [Sequence(i * params.n + j, i, p if isinstance(p, list) else list(p),
                          min(params.max_tokens, self.max_model_len - len(p)),
                          sequence_key(seed, i * params.n + j))
                 for i, p in enumerate(prompts) for j in range(params.n)]
@@ -175,9 +177,10 @@ class Engine:
     def _results(self, seqs: list[Sequence], params: SamplingParams) -> list[GenerationResult]:
         tok, lp, slp, lens = self.runner.results()
         stop = set(params.stop_ids())
+        lens = lens.tolist()
         out = []
         for s in seqs:
-            n = int(lens[s.seq_id])
+            n = lens[s.seq_id]
             ids = tok[s.seq_id, :n].tolist()
             reason = "stop" if ids and ids[-1] in stop else "length"
             out.append(GenerationResult(s.prompt_index, s.seq_id - s.prompt_index * params.n, ids,
