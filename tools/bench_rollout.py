@@ -60,6 +60,17 @@ def logprob_check(model, prompts, results, num: int = 4) -> float:
 
 
 def bench_engine(model, prompts, args, device) -> dict:
+    if args.blas == "default" or device.type != "cuda":
+        return _bench_engine(model, prompts, args, device)
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(args.blas)   # process-wide: restored below
+    try:
+        return _bench_engine(model, prompts, args, device)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _bench_engine(model, prompts, args, device) -> dict:
     max_len = args.prompt_len + args.new_tokens
     engine = Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
                     kv_cache_tokens=(args.batch + 1) * max_len,
@@ -197,6 +208,8 @@ def parse_args(argv=None):
     ap.add_argument("--separate-rope", action="store_true",
                     help="RoPE and the K/V-cache write as their own kernels before the Triton "
                          "decode attention (default: inside it)")
+    ap.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
+                    help="torch.backends.cuda.preferred_blas_library for the engine's GEMMs")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -208,7 +221,8 @@ def parse_args(argv=None):
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
                          "CUDA graphs), compile, compile_prefill, torch_sampler, autotune "
                          "(compile in inductor's max-autotune mode), separate_rope, prefill_64k "
-                         "(--max-prefill-tokens 65536); '+' combines them (triton+compile)")
+                         "(--max-prefill-tokens 65536), cublaslt (--blas cublaslt); '+' "
+                         "combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
     ap.add_argument("--out", default=None,
@@ -267,7 +281,7 @@ def main(argv=None) -> None:
              "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"},
              "autotune": {"compile": "max-autotune"},
              "separate_rope": {"separate_rope": True},
-             "prefill_64k": {"max_prefill_tokens": 65536}}
+             "prefill_64k": {"max_prefill_tokens": 65536}, "cublaslt": {"blas": "cublaslt"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:
