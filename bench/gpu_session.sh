@@ -35,7 +35,7 @@ for p in $parts; do case $p in
            fi ;;
   rollout) # HF=none leaves out HF generate (its same-run figure is needed only for the speedup)
            hf=--hf; [ "${HF:-}" = none ] && hf=
-           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-separate_rope}" --out "$RES/rollout.partial.json" ;;
+           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-prefill_cpp_wrapper}" --out "$RES/rollout.partial.json" ;;
   code)    # inductor's generated code of the compiled prefill and decode step (gzipped)
            TORCH_LOGS=output_code timeout 300 python3 tools/bench_rollout.py --batch 64 --new-tokens 4 \
              --compile --compile-prefill > /dev/null 2> "$RES/output_code.log"

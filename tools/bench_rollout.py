@@ -221,7 +221,8 @@ def parse_args(argv=None):
                          "triton, flash, flash_per_head, sdpa (decode attention), eager (no "
                          "CUDA graphs), compile, compile_prefill, torch_sampler, autotune "
                          "(compile in inductor's max-autotune mode), separate_rope, prefill_64k "
-                         "(--max-prefill-tokens 65536), cublaslt (--blas cublaslt); '+' "
+                         "(--max-prefill-tokens 65536), cublaslt (--blas cublaslt), "
+                         "prefill_cpp_wrapper (the compiled prefill launched from C++); '+' "
                          "combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -281,7 +282,8 @@ def main(argv=None) -> None:
              "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"},
              "autotune": {"compile": "max-autotune"},
              "separate_rope": {"separate_rope": True},
-             "prefill_64k": {"max_prefill_tokens": 65536}, "cublaslt": {"blas": "cublaslt"}}
+             "prefill_64k": {"max_prefill_tokens": 65536}, "cublaslt": {"blas": "cublaslt"},
+             "prefill_cpp_wrapper": {"compile_prefill": "cpp-wrapper"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

@@ -102,8 +102,14 @@ class ModelRunner:
             self._commit_rows = torch.compile(self._commit, dynamic=True, **how)
         # Optionally the prefill forward too (dynamic shapes: every prefill packs a different
         # number of tokens and prompts). A failure to compile falls back to eager, once.
+        # "cpp-wrapper": inductor launches the kernels from C++ instead of Python (a benchmark
+        # variant: the host spends ~9 ms issuing each compiled 16k-token prefill on an H200,
+        # bench/RESULTS.md 2026-11-30 session 5, call 8; not yet timed).
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
-        if compile_prefill:
+        if compile_prefill == "cpp-wrapper":
+            self._prefill_body = torch.compile(self._prefill_hidden, dynamic=True,
+                                               options={"cpp_wrapper": True})
+        elif compile_prefill:
             backend = compile_prefill if isinstance(compile_prefill, str) else "inductor"
             self._prefill_body = torch.compile(self._prefill_hidden, backend=backend,
                                                dynamic=True)
