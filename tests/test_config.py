@@ -272,3 +272,10 @@ def test_layout_derivation():
     assert (layout.rollout_tp, layout.rollout_dp, layout.micro_dp) == (2, 4, 2)
     # with tp = 1 sequence parallelism is off whatever the flag says
     assert not derive_layout(load_config(RECIPE), 1).actor.sequence_parallel
+
+
+def test_attention_backend_choices_match_the_rollout_engine():
+    """The config layer imports nothing from rollout/, so it lists the decode attention
+    backends itself: the list must stay the engine's."""
+    from hybridengine.rollout.attention import BACKENDS
+    assert CHOICES["actor_rollout_ref.rollout.attn_backend"] == BACKENDS
