@@ -70,7 +70,8 @@ def bench_engine(model, prompts, args, device) -> dict:
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def _bench_engine(model, prompts, args, device) -> dict:
+def build_engine(model, args) -> tuple[Engine, SamplingParams]:
+    """The benchmark's engine (a row per prompt, the cache sized for them) and its sampling."""
     max_len = args.prompt_len + args.new_tokens
     engine = Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
                     kv_cache_tokens=(args.batch + 1) * max_len,
@@ -81,6 +82,11 @@ def _bench_engine(model, prompts, args, device) -> dict:
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     engine.runner.fused_sampler = args.sampler != "torch"
     engine.runner.fused_rope = not args.separate_rope
+    return engine, params
+
+
+def _bench_engine(model, prompts, args, device) -> dict:
+    engine, params = build_engine(model, args)
     log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
     t0 = time.perf_counter()
     engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))

@@ -16,11 +16,9 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
-from bench_rollout import parse_args, random_prompts  # noqa: E402
+from bench_rollout import build_engine, parse_args, random_prompts  # noqa: E402
 from hybridengine.models.decoder import Decoder  # noqa: E402
 from hybridengine.models.shapes import QWEN2_5_0_5B  # noqa: E402
-from hybridengine.rollout.engine import Engine  # noqa: E402
-from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -70,12 +68,7 @@ def main():
     torch.manual_seed(0)
     model = Decoder(QWEN2_5_0_5B, dtype=torch.bfloat16, device=dev).eval()
     prompts = random_prompts(args.batch, args.prompt_len, QWEN2_5_0_5B.vocab_size)
-    max_len = args.prompt_len + args.new_tokens
-    engine = Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
-                    kv_cache_tokens=(args.batch + 1) * max_len,
-                    max_prefill_tokens=max(args.max_prefill_tokens, max_len), compile=True,
-                    compile_prefill=True)
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    engine, params = build_engine(model, args)
     engine.generate(prompts, params)                       # warm-up: compile, capture
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:

@@ -145,16 +145,15 @@ class PackedCausalAttention:
         return self._per_sequence(q, k, v)
 
     def _varlen(self, q, k, v):
-        if not _VARLEN_GQA and k.shape[1] != q.shape[1] and not (
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-            # a torch whose varlen_attn lacks enable_gqa (2.11): the aten flash kernel it wraps
-            # takes fewer K/V heads natively, so inference (the rollout's prefill) repeats no
-            # K/V (on an H200 the repeat cost 4 ms of a 0.25 s prefill); training keeps
-            # varlen_attn, whose autograd this bypasses
-            return torch.ops.aten._flash_attention_forward(
-                q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen, 0.0, True,
-                False)[0]
         if not _VARLEN_GQA and k.shape[1] != q.shape[1]:
+            if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+                # a torch whose varlen_attn lacks enable_gqa (2.11): the aten flash kernel it
+                # wraps takes fewer K/V heads natively, so inference (the rollout's prefill)
+                # repeats no K/V (on an H200 the repeat cost 4 ms of a 0.25 s prefill);
+                # training keeps varlen_attn, whose autograd this bypasses
+                return torch.ops.aten._flash_attention_forward(
+                    q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen, 0.0, True,
+                    False)[0]
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         kw = {"enable_gqa": True} if _VARLEN_GQA else {}

@@ -118,9 +118,12 @@ class DecodeContext:
                  slot_positions: torch.Tensor | None = None):
         self.cache, self.layer_start, self.backend = cache, layer_start, backend
         self.slots, self.max_k = slots, max_k
-        # the fused triton form reads the runner's per-slot position state itself
+        # the fused triton form reads the runner's per-slot position state itself and derives
+        # the write position and length in the kernel: nothing below is needed for it
         self.slot_positions = slot_positions
         self.applies_rope = backend == "triton" and slot_positions is not None
+        if self.applies_rope:
+            return
         L = cache.max_model_len
         # A finished row still in the batch (one step of lag) may sit at position L: clamp its
         # harmless write into its own row.

@@ -397,7 +397,7 @@ def _prefill_plan(seqs: list[Sequence]) -> tuple[dict[str, np.ndarray], int]:
     groups: dict[int, list[Sequence]] = {}
     for s in seqs:
         groups.setdefault(s.prompt_index, []).append(s)
-    members = [m for m in groups.values()]
+    members = list(groups.values())
     lens = np.array([len(m[0].prompt) for m in members], dtype=np.int64)
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
