@@ -275,7 +275,8 @@ def test_layout_derivation():
 
 
 def test_attention_backend_choices_match_the_rollout_engine():
-    """The config layer imports nothing from rollout/, so it lists the decode attention
-    backends itself: the list must stay the engine's."""
-    from hybridengine.rollout.attention import BACKENDS
+    """The config layer imports nothing from rollout/, so it lists the decode and prefill
+    attention choices itself: the lists must stay the engine's."""
+    from hybridengine.rollout.attention import BACKENDS, PREFILL_ATTENTION
     assert CHOICES["actor_rollout_ref.rollout.attn_backend"] == BACKENDS
+    assert CHOICES["actor_rollout_ref.rollout.prefill_attention"] == PREFILL_ATTENTION

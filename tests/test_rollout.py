@@ -247,6 +247,88 @@ def test_continuous_batching_equals_one_by_one(tmp_path):
         assert max(abs(a - b) for a, b in zip(r.logprobs, alone.logprobs)) < 1e-5
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_multi_step_decode_equals_single_steps(tmp_path, static):
+    """multi_step runs decode steps back to back once no prompt waits: rows that stop inside a
+    run idle to its end and are retired late (one launch of lag as on CUDA), yet every token,
+    log-prob and finish reason equals single steps; a run with rows out of tokens launches no
+    extra step."""
+    model = load_decoder(save_tiny(tmp_path / "q", "qwen2", tied=True))
+    prompts = _prompts([3, 12, 5, 1, 9, 7, 2, 15, 4, 6], 97, seed=9)
+    free, _ = _greedy(model, prompts, max_num_seqs=16)
+    stop = _pick_stop([r.token_ids for r in free])
+    runs = {}
+    for k in (1, 5):
+        runs[k] = _greedy(model, prompts, stop=[stop], max_num_seqs=4, steps_in_flight=1,
+                          static=static, multi_step=k)
+    (single, one), (multi, five) = runs[1], runs[5]
+    assert {r.finish_reason for r in single} == {"stop", "length"}
+    assert [(r.token_ids, r.finish_reason) for r in multi] == \
+        [(r.token_ids, r.finish_reason) for r in single]
+    assert max(abs(a - b) for r, q in zip(multi, single)
+               for a, b in zip(r.logprobs, q.logprobs)) < 1e-5
+    assert one.stats["num_decode_launches"] == one.stats["num_decode_steps"]
+    assert five.stats["num_decode_launches"] < five.stats["num_decode_steps"] - 4
+    # all rows to length: MAX_NEW tokens = the prefill's + MAX_NEW - 1 decode steps, none more
+    for k in (1, 5):
+        _, engine = _greedy(model, prompts[:4], steps_in_flight=1, static=static, multi_step=k)
+        assert engine.stats["num_decode_steps"] == MAX_NEW - 1
+
+
+@pytest.mark.parametrize("lens", [[6, 6, 6], [5, 7, 3, 7, 6]])
+def test_padded_causal_attention_matches_packed(lens):
+    """The dense prefill attention over right-padded sequences (equal lengths: no copy; else a
+    pad index) equals the packed causal attention, GQA included (float64)."""
+    from hybridengine.models.attention import PackedCausalAttention
+    from hybridengine.rollout.attention import padded_causal_attention
+    g = torch.Generator().manual_seed(3)
+    T, N = sum(lens), max(lens)
+    q = torch.randn(T, 6, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(T, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = PackedCausalAttention(PackedInput.from_lengths(torch.zeros(T, dtype=torch.long),
+                                                         lens)).attend(0, q, k, v)
+    pad_index = None
+    if any(n != N for n in lens):
+        pad_index = torch.cat([i * N + torch.arange(n) for i, n in enumerate(lens)])
+    out = padded_causal_attention(q, k, v, len(lens), N, pad_index)
+    assert torch.allclose(out, ref, atol=1e-12)
+
+
+def test_dense_prefill_equals_varlen_prefill(tmp_path, monkeypatch):
+    """The engine with the dense prefill attention (prompts padded to the longest of each
+    prefill while that costs at most DENSE_MAX_PADDING; beyond it, varlen) gives the varlen
+    prefill's tokens and log-probs."""
+    import hybridengine.rollout.attention as rollout_attention
+    calls = []
+    dense_fn = rollout_attention.padded_causal_attention
+    monkeypatch.setattr(rollout_attention, "padded_causal_attention",
+                        lambda *a: calls.append(a[5] is None) or dense_fn(*a))
+    model = load_decoder(save_tiny(tmp_path / "q", "qwen2", tied=True))
+    layers = len(model.layers)
+    for lens, used in (([9, 12, 10, 12], [False] * layers), ([8, 8, 8], [True] * layers),
+                       ([2, 14, 3], [])):       # padded, exact, too much padding: varlen
+        prompts = _prompts(lens, 97, seed=sum(lens))
+        runs = []
+        calls.clear()
+        for mode in ("varlen", "dense"):
+            engine = Engine(model, max_num_seqs=8, max_model_len=64, max_prefill_tokens=128,
+                            prefill_attention=mode)
+            runs.append(engine.generate(prompts, SamplingParams(temperature=0.0,
+                                                                max_tokens=6)))
+        varlen, dense = runs
+        assert calls == used                    # one call per layer, pad index or none
+        assert [r.token_ids for r in dense] == [r.token_ids for r in varlen]
+        assert max(abs(a - b) for r, q in zip(dense, varlen)
+                   for a, b in zip(r.logprobs, q.logprobs)) < 1e-5
+
+
+def test_multi_step_must_be_positive():
+    model = Decoder(ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
+    with pytest.raises(ValueError, match="multi_step=0"):
+        Engine(model, max_num_seqs=2, max_model_len=16, max_prefill_tokens=16, multi_step=0)
+
+
 def _varlen_seqused_reference(q, k, v, cu_q, cu_k, seqused, max_q, max_k):
     """Flash varlen semantics, non-causal, with seqused_k: the query rows
     q[cu_q[i] : cu_q[i+1]] of sequence i attend to k[cu_k[i] : cu_k[i] + used[i]]; query head h
@@ -317,10 +399,16 @@ def test_bad_inputs_one_line_errors():
     model = _small_vocab_model()
     engine = Engine(model, max_num_seqs=2, max_model_len=8)
     params = SamplingParams(max_tokens=2)
+    seeded = SamplingParams(max_tokens=2, seed=3)
+    good = engine.generate([[1, 2], [3]], seeded)
     for prompts, match in [([[]], "prompt 0 is empty"), ([[1] * 8], "leaves no room"),
-                           ([[1, 16]], "outside the vocabulary")]:
+                           ([[1, 16]], "prompt 0 has token id 16 outside the vocabulary"),
+                           ([[1, 2], [3, -1]], "prompt 1 has token id -1 outside")]:
         with pytest.raises(ValueError, match=match):
             engine.generate(prompts, params)
+    # an error raised by a prefill (token ids are checked there) leaves the engine usable
+    again = engine.generate([[1, 2], [3]], seeded)
+    assert [r.token_ids for r in again] == [r.token_ids for r in good]
     for kw, match in [({"top_p": 0.0}, "top_p"), ({"n": 0}, "n=0"),
                       ({"temperature": -1.0}, "temperature"), ({"max_tokens": 0}, "max_tokens")]:
         with pytest.raises(ValueError, match=match):

@@ -140,3 +140,30 @@ def test_fused_rope_decode_attention_bf16_benchmark_shape():
     seqlens = (pos + 1).to(torch.int32)
     ref = da.decode_attention(qk[:, :hq], kc, vc, slots, seqlens)
     assert (out.float() - ref.float()).abs().max() < 2e-2
+
+
+def test_dense_prefill_attention_bf16_matches_varlen():
+    """cuDNN over right-padded prompts (the dense prefill) against flash varlen on the same
+    packed tokens, bf16, GQA 14/2 heads of 64, prompts of different lengths and of one."""
+    from hybridengine.models.attention import PackedCausalAttention, PackedInput
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for lens in ([300, 512, 257, 511], [128] * 5):
+        T, N = sum(lens), max(lens)
+        q = torch.randn(T, 14, 64, generator=g).to(CUDA, torch.bfloat16)
+        k, v = (torch.randn(T, 2, 64, generator=g).to(CUDA, torch.bfloat16) for _ in range(2))
+        packed = PackedInput.from_lengths(torch.zeros(T, dtype=torch.long, device=CUDA), lens)
+        ref = PackedCausalAttention(packed).attend(0, q, k, v).float()
+        pad_index = None
+        if len(set(lens)) > 1:
+            pad_index = torch.cat([i * N + torch.arange(n) for i, n in enumerate(lens)]).to(CUDA)
+        out = attention.padded_causal_attention(q, k, v, len(lens), N, pad_index).float()
+        assert (out - ref).abs().max().item() < 2e-2, lens
+
+
+def test_auto_prefill_is_dense_in_bf16_and_logprobs_match_training_forward():
+    model = _small_bf16()
+    prompts = _prompts([30, 28, 32, 25, 31], SMALL.vocab_size, seed=4)
+    engine = Engine(model, max_num_seqs=8, max_model_len=128, kv_cache_tokens=9 * 128)
+    assert engine.runner.prefill_attention == "dense"
+    results = engine.generate(prompts, SamplingParams(n=2, max_tokens=30, seed=1))
+    assert max_logprob_gap(model, prompts, results) < 0.05

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.kernels import sampler as fused_sampler  # noqa: E402
-from hybridengine.rollout.attention import BACKENDS  # noqa: E402
+from hybridengine.rollout.attention import BACKENDS, PREFILL_ATTENTION  # noqa: E402
 from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -49,9 +49,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0,
+                   min_len: int | None = None) -> list[list[int]]:
+    """`batch` prompts of random tokens: prompt_len each, or lengths uniform in
+    [min_len, prompt_len]."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    if min_len is None or min_len >= prompt_len:
+        return ids
+    lens = torch.randint(min_len, prompt_len + 1, (batch,), generator=g).tolist()
+    return [p[:n] for p, n in zip(ids, lens)]
 
 
 def logprob_check(model, prompts, results, num: int = 4) -> float:
@@ -77,11 +84,13 @@ def build_engine(model, args) -> tuple[Engine, SamplingParams]:
                     kv_cache_tokens=(args.batch + 1) * max_len,
                     max_prefill_tokens=max(args.max_prefill_tokens, max_len),
                     enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,
-                    compile_prefill=args.compile_prefill)
+                    compile_prefill=args.compile_prefill, multi_step=args.multi_step,
+                    prefill_attention=args.prefill_attention)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     engine.runner.fused_sampler = args.sampler != "torch"
     engine.runner.fused_rope = not args.separate_rope
+    engine.runner.graph_copies = args.graph_copies
     return engine, params
 
 
@@ -89,7 +98,9 @@ def _bench_engine(model, prompts, args, device) -> dict:
     engine, params = build_engine(model, args)
     log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
     t0 = time.perf_counter()
-    engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
+    # long enough to capture both decode graphs: multi_step steps, then single ones
+    engine.generate(prompts, replace(params, max_tokens=min(engine.multi_step + 2,
+                                                            args.new_tokens)))
     sync(device)
     warmup_s = time.perf_counter() - t0
     log(f"engine: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens")
@@ -104,11 +115,12 @@ def _bench_engine(model, prompts, args, device) -> dict:
                            f"{args.batch * args.new_tokens}")
     stats = engine.stats
     out = {"seconds": sec, "generated_tokens_per_s": generated / sec,
-           "total_tokens_per_s": (generated + args.batch * args.prompt_len) / sec,
+           "total_tokens_per_s": (generated + sum(map(len, prompts))) / sec,
            "warmup_s": warmup_s, "logprob_max_abs_diff_vs_training_forward":
                logprob_check(model, prompts, results)}
     out.update({k: stats[k] for k in ("prefill_s", "decode_s", "num_prefill_steps",
-                                      "num_decode_steps", "attn_backend", "cuda_graphs",
+                                      "num_decode_steps", "host_setup_s", "host_results_s",
+                                      "attn_backend", "prefill_attention", "cuda_graphs",
                                       "num_slots")})
     out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
     out["fused_sampler"] = engine.runner.fused_sampler and fused_sampler.available(device)
@@ -216,6 +228,16 @@ def parse_args(argv=None):
                          "decode attention (default: inside it)")
     ap.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
                     help="torch.backends.cuda.preferred_blas_library for the engine's GEMMs")
+    ap.add_argument("--multi-step", type=int, default=8,
+                    help="decode steps per graph replay while no prompt waits (Engine.multi_step)")
+    ap.add_argument("--prompt-len-min", type=int, default=None,
+                    help="prompt lengths uniform in [this, --prompt-len] (default: all "
+                         "--prompt-len; not with --hf)")
+    ap.add_argument("--graph-copies", type=int, default=1,
+                    help="copies of each decode graph, replayed in turn")
+    ap.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
+                    help="prefill attention: flash varlen, or a dense kernel (cuDNN) over the "
+                         "right-padded prompts (Engine.prefill_attention)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -228,7 +250,9 @@ def parse_args(argv=None):
                          "CUDA graphs), compile, compile_prefill, torch_sampler, autotune "
                          "(compile in inductor's max-autotune mode), separate_rope, prefill_64k "
                          "(--max-prefill-tokens 65536), cublaslt (--blas cublaslt), "
-                         "prefill_cpp_wrapper (the compiled prefill launched from C++); '+' "
+                         "prefill_cpp_wrapper (the compiled prefill launched from C++), "
+                         "single_step (--multi-step 1), two_graphs (--graph-copies 2), "
+                         "prefill_varlen / prefill_dense (--prefill-attention); '+' "
                          "combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -237,6 +261,9 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", "--cpu-tiny", dest="tiny", action="store_true",
                     help="CPU smoke run: tiny model, batch 4, prompt 16, 8 new tokens")
     args = ap.parse_args(argv)
+    if args.prompt_len_min is not None and args.prompt_len_min < args.prompt_len and \
+            (args.hf or args.vllm):
+        ap.error("--prompt-len-min: the HF and vLLM peers take prompts of one length")
     if args.tiny:
         args.batch, args.prompt_len = min(args.batch, 4), min(args.prompt_len, 16)
         args.new_tokens = min(args.new_tokens, 8)
@@ -259,10 +286,12 @@ def main(argv=None) -> None:
     log(f"building {'tiny' if tiny else 'Qwen2.5-0.5B-shape'} decoder on {device} {dtype}")
     torch.manual_seed(0)
     model = Decoder(cfg, dtype=dtype, device=device).eval()
-    prompts = random_prompts(args.batch, args.prompt_len, cfg.vocab_size)
+    prompts = random_prompts(args.batch, args.prompt_len, cfg.vocab_size,
+                             min_len=args.prompt_len_min)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "model": "tiny" if tiny else "qwen2.5-0.5b-shape", "dtype": str(dtype),
            "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "prompt_len_min": args.prompt_len_min, "prompt_tokens": sum(map(len, prompts)),
            "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                         "top_k": args.top_k},
            "ours": bench_engine(model, prompts, args, device)}
@@ -289,7 +318,10 @@ def main(argv=None) -> None:
              "autotune": {"compile": "max-autotune"},
              "separate_rope": {"separate_rope": True},
              "prefill_64k": {"max_prefill_tokens": 65536}, "cublaslt": {"blas": "cublaslt"},
-             "prefill_cpp_wrapper": {"compile_prefill": "cpp-wrapper"}}
+             "prefill_cpp_wrapper": {"compile_prefill": "cpp-wrapper"},
+             "single_step": {"multi_step": 1}, "two_graphs": {"graph_copies": 2},
+             "prefill_varlen": {"prefill_attention": "varlen"},
+             "prefill_dense": {"prefill_attention": "dense"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

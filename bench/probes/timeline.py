@@ -23,19 +23,42 @@ from hybridengine.models.shapes import QWEN2_5_0_5B  # noqa: E402
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
+def runtime_calls(calls: list[tuple], ranges: list[tuple]) -> dict:
+    """CUDA runtime calls made inside the host ranges of a phase: per name the count, total and
+    longest µs (a synchronising call or a blocked launch shows up as a long one)."""
+    ranges = sorted(ranges)
+    per = defaultdict(lambda: [0, 0.0, 0.0])
+    i = 0
+    for start, end, name in sorted(calls):
+        while i < len(ranges) and ranges[i][1] < start:
+            i += 1
+        if i < len(ranges) and ranges[i][0] <= start and end <= ranges[i][1]:
+            row = per[name]
+            row[0] += 1
+            row[1] += end - start
+            row[2] = max(row[2], end - start)
+    return {name: {"n": n, "total_us": round(t, 1), "max_us": round(m, 1)}
+            for name, (n, t, m) in sorted(per.items(), key=lambda kv: -kv[1][1])[:10]}
+
+
 def phase_gaps(events: list[dict]) -> dict:
-    """Per phase: the device annotations' spans, the device ops inside them, the host ranges."""
+    """Per phase: the device annotations' spans, the device ops inside them, the host ranges
+    and the runtime calls made in them."""
     spans = defaultdict(list)          # phase -> [(start, end)] on the device
     host = defaultdict(list)           # phase -> [duration] of the host call
-    ops = []
+    host_ranges = defaultdict(list)    # phase -> [(start, end)] of the host call
+    ops, calls = [], []
     for e in events:
         cat, name = e.get("cat"), e.get("name")
         if cat == "gpu_user_annotation" and name in ("prefill", "decode"):
             spans[name].append((e["ts"], e["ts"] + e["dur"]))
         elif cat == "user_annotation" and name in ("prefill", "decode"):
             host[name].append(e["dur"])
+            host_ranges[name].append((e["ts"], e["ts"] + e["dur"]))
         elif cat in DEVICE_CATS:
             ops.append((e["ts"], e["ts"] + e.get("dur", 0), name))
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            calls.append((e["ts"], e["ts"] + e.get("dur", 0), name))
     ops.sort()
     out = {}
     for phase, ranges in spans.items():
@@ -58,7 +81,13 @@ def phase_gaps(events: list[dict]) -> dict:
                       "idle_between_steps_ms": between / 1e3,
                       "host_ms_per_step_mean": sum(h) / max(len(h), 1) / 1e3,
                       "host_ms_per_step_max": max(h, default=0) / 1e3,
-                      "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:12]]}
+                      "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:12]],
+                      "runtime_calls": runtime_calls(calls, host_ranges.get(phase, []))}
+        # the runtime calls the host makes between the phase's calls (the engine's loop:
+        # retiring finished rows waits on an event there)
+        between = [(a[1], b[0]) for a, b in zip(sorted(host_ranges.get(phase, [])),
+                                                 sorted(host_ranges.get(phase, []))[1:])]
+        out[phase]["runtime_calls_between"] = runtime_calls(calls, between)
     return out
 
 
@@ -69,6 +98,8 @@ def main():
     model = Decoder(QWEN2_5_0_5B, dtype=torch.bfloat16, device=dev).eval()
     prompts = random_prompts(args.batch, args.prompt_len, QWEN2_5_0_5B.vocab_size)
     engine, params = build_engine(model, args)
+    if os.environ.get("GRAPH_COPIES"):
+        engine.runner.graph_copies = int(os.environ["GRAPH_COPIES"])
     engine.generate(prompts, params)                       # warm-up: compile, capture
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:

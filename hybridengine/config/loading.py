@@ -61,6 +61,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     _R + "dtype": _DTYPES,
     _R + "name": ("builtin", "vllm"),
     _R + "attn_backend": ("auto", "triton", "flash", "flash_per_head", "sdpa"),
+    _R + "prefill_attention": ("auto", "varlen", "dense"),
     "reward_model.reward_manager": ("naive", "dapo"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),

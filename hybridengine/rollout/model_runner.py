@@ -27,12 +27,17 @@ from torch.profiler import record_function
 
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0, group_size
-from hybridengine.rollout.attention import DecodeContext, PrefillContext, resolve_backend
+from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resolve_backend,
+                                            resolve_prefill_attention)
 from hybridengine.rollout.kv_cache import KVCache, kv_bytes_per_token, plan_num_slots
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample, uniforms
 from hybridengine.rollout.scheduler import Sequence
 
 logger = logging.getLogger(__name__)
+
+# the dense prefill attention runs while the padded prompts hold at most this many times the
+# prompt tokens; beyond, the varlen kernel
+DENSE_MAX_PADDING = 1.5
 
 
 def graph_buckets(max_rows: int) -> list[int]:
@@ -70,7 +75,7 @@ class ModelRunner:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, max_prefill_tokens: int,
                  kv_cache_tokens: int | None, gpu_memory_utilization: float | None,
                  enforce_eager: bool, attn_backend: str, compile: bool | str = False,
-                 compile_prefill: bool | str = False):
+                 compile_prefill: bool | str = False, prefill_attention: str = "varlen"):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -116,10 +121,17 @@ class ModelRunner:
         c = model.cfg
         heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
         self.backend = resolve_backend(attn_backend, self.device, self.dtype, heads)
+        # "varlen" (flash varlen over the packed prompts) or "dense" (cuDNN on CUDA over the
+        # prompts right-padded to the longest one: rollout.attention.padded_causal_attention)
+        self.prefill_attention = resolve_prefill_attention(prefill_attention, self.device,
+                                                           self.dtype, heads)
         # the fused Triton temperature sampler where it runs, and RoPE + cache write inside
         # the Triton decode attention (benchmarks turn them off to compare; set before the
         # first decode graph is captured)
         self.fused_sampler = self.fused_rope = True
+        # copies of each decode graph, replayed in turn (a benchmark knob: whether a replay
+        # queued behind a running replay of the same graph waits for it)
+        self.graph_copies = 1
         self.cache: KVCache | None = None
         # sampler parameters: device tensors, so that one graph serves every value
         self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
@@ -167,6 +179,7 @@ class ModelRunner:
             self.buckets = self.buckets[1:]
         self.graphs: dict = {}
         self._graph_pool = None
+        self._replays = 0
         self._uploaded_rows: list[int] | None = None
 
     def free(self) -> None:
@@ -211,7 +224,7 @@ class ModelRunner:
         self.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
         self.top_p.fill_(params.top_p)
         stop = list(params.stop_ids()) + [-1] * (MAX_STOP_TOKENS - len(params.stop_ids()))
-        self.stop_ids.copy_(torch.tensor(stop))
+        self.stop_ids.copy_(self._h2d(stop), non_blocking=True)
         self.active.zero_()
         self.res_width = max_gen
         dev = self.device
@@ -282,19 +295,31 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> Pending:
         """Prefill each distinct prompt once, write its K/V into every sample's row, sample
         each sequence's first token."""
-        plan, max_len = _prefill_plan(seqs)
+        plan, max_len = _prefill_plan(seqs, self.vocab_size)
+        num_prompts, num_tokens = len(plan["cu"]) - 1, int(plan["cu"][-1])
+        # the dense prefill attention while padding costs at most half the tokens again
+        dense = self.prefill_attention == "dense" and \
+            num_prompts * max_len <= DENSE_MAX_PADDING * num_tokens
+        if dense and num_prompts * max_len != num_tokens:
+            plan["pad_index"] = np.repeat(np.arange(num_prompts) * max_len,
+                                          np.diff(plan["cu"])) + plan["positions"]
         t = self._h2d_arrays(plan)             # one host-to-device copy for every index list
         packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
         ctx = PrefillContext(self.cache, self.model.layer_start, packed, t["src"],
-                             t["dst_slot"], t["dst_pos"])
+                             t["dst_slot"], t["dst_pos"],
+                             (num_prompts, max_len, t.get("pad_index")) if dense else None)
         slots = t["slots"]
         # the last prompt token is the "current" one: the commit moves each row to the first
         # generated token's position, len(prompt)
         self.positions[slots] = t["last_pos"]
-        self.counts[slots] = 0
         self.keys[slots] = t["keys"]
         self.max_gen[slots] = t["max_gen"]
-        self.active[slots] = True
+        # index_fill_, not `state[slots] = 0`: a Python scalar assigned through a CUDA index
+        # tensor is copied from pageable host memory, a blocking copy that drained the device
+        # queue at every prefill (2 stream synchronisations per prefill on an H200 trace,
+        # bench/RESULTS.md 2026-11-30 session 6)
+        self.counts.index_fill_(0, slots, 0)
+        self.active.index_fill_(0, slots, True)
         with torch.no_grad(), record_function("prefill"):
             h = self._prefill_forward(packed, ctx)                             # [T, H]
             h = h.index_select(0, t["last"])                                   # [prompts, H]
@@ -323,33 +348,40 @@ class ModelRunner:
                 self.prefill_compiled = False
         return self._prefill_hidden(packed, ctx)
 
-    def decode(self, slots: list[int], max_k: int) -> Pending:
-        """One token for each running slot (sorted). max_k bounds the keys read (eager only)."""
+    def decode(self, slots: list[int], max_k: int, steps: int = 1) -> Pending:
+        """`steps` tokens for each running slot (sorted), back to back: one graph replay, one
+        finished-check (the rows that finished in any of them). max_k bounds the keys read
+        (eager only; it covers the last of the steps)."""
         B = len(slots)
         with torch.no_grad(), record_function("decode"):
             if self.static_shapes:
                 bucket = next(b for b in self.buckets if b >= B)
-                graph = self._graph(bucket) if self.use_graphs else None
+                graph = self._graph(bucket, steps) if self.use_graphs else None
                 rows = slots + [self.cache.scratch_slot] * (bucket - B)
                 if rows != self._uploaded_rows:
                     self.row_slots[:bucket].copy_(self._h2d(rows), non_blocking=True)
                     self._uploaded_rows = rows
                 if graph is not None:
-                    graph.replay()
+                    graph[self._replays % len(graph)].replay()
+                    self._replays += 1
                 else:
-                    self._decode_step(bucket, self.max_model_len)
+                    self._decode_steps(bucket, self.max_model_len, steps)
             else:
                 self.row_slots[:B].copy_(self._h2d(slots))
-                self._decode_step(B, max_k)
+                self._decode_steps(B, max_k, steps)
         return Pending(slots, self.step_fin[:B])
 
-    def _decode_step(self, B: int, max_k: int) -> None:
+    def _decode_steps(self, B: int, max_k: int, steps: int) -> None:
         slots = self.row_slots[:B]
         if self.compiled and B > 1:
             torch._dynamo.mark_dynamic(slots, 0)
-        h = self._decode_body(slots, max_k)
-        # the forward only writes the cache: positions still hold this step's values
-        self.step_fin[:B] = self._sample_and_commit(slots, self.positions[slots], h)
+        fin = None
+        for _ in range(steps):
+            h = self._decode_body(slots, max_k)
+            # the forward only writes the cache: positions still hold this step's values
+            done = self._sample_and_commit(slots, self.positions[slots], h)
+            fin = done if fin is None else fin | done
+        self.step_fin[:B] = fin
 
     def _decode_hidden(self, slots: torch.Tensor, max_k: int) -> torch.Tensor:
         """slots [B] -> last hidden states [B, H] of the rows' current tokens (writes K/V)."""
@@ -359,10 +391,10 @@ class ModelRunner:
                             cu_q, self.cu_k_tail, self.positions if self.fused_rope else None)
         return self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
 
-    def _graph(self, bucket: int):
-        """The decode graph of (sampler mode, bucket), captured on first use. Its warm-up and
-        capture run on scratch rows only, so they can happen in the middle of a generation."""
-        key = (self.mode, bucket)
+    def _graph(self, bucket: int, steps: int):
+        """The decode graph of (sampler mode, bucket, steps), captured on first use. Its warm-up
+        and capture run on scratch rows only, so they can happen in the middle of a generation."""
+        key = (self.mode, bucket, steps)
         if key in self.graphs:
             return self.graphs[key]
         self.row_slots[:bucket].fill_(self.cache.scratch_slot)
@@ -370,25 +402,28 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):       # warm-up: cuBLAS / NCCL / allocator state
-            self._decode_step(bucket, self.max_model_len)
+            self._decode_steps(bucket, self.max_model_len, steps)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         # torch.cuda.graph() without its gc.collect() and empty_cache(): captures happen again
         # after each free_cache(), inside a trainer with a large Python heap
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self._graph_pool)
-            try:
-                self._decode_step(bucket, self.max_model_len)
-            finally:
-                graph.capture_end()
-        if self._graph_pool is None:
-            self._graph_pool = graph.pool()
-        self.graphs[key] = graph
-        return graph
+        graphs = []
+        for _ in range(self.graph_copies):     # copies share the pool: they never overlap
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self._graph_pool)
+                try:
+                    self._decode_steps(bucket, self.max_model_len, steps)
+                finally:
+                    graph.capture_end()
+            if self._graph_pool is None:
+                self._graph_pool = graph.pool()
+            graphs.append(graph)
+        self.graphs[key] = graphs
+        return graphs
 
 
-def _prefill_plan(seqs: list[Sequence]) -> tuple[dict[str, np.ndarray], int]:
+def _prefill_plan(seqs: list[Sequence], vocab_size: int) -> tuple[dict[str, np.ndarray], int]:
     """Host-side int64 index arrays of a prefill, and the longest prompt: the packed distinct
     prompts (ids, positions, cu); for every sequence's cache row the packed token each position
     copies (src -> (dst_slot, dst_pos)); the last token of each prompt; per sequence its prompt
@@ -404,6 +439,11 @@ def _prefill_plan(seqs: list[Sequence]) -> tuple[dict[str, np.ndarray], int]:
     total = int(cu[-1])
     ids = np.fromiter(itertools.chain.from_iterable(m[0].prompt for m in members), np.int64,
                       total)
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        m = members[int(np.searchsorted(cu, bad[0], side="right")) - 1][0]
+        raise ValueError(f"prompt {m.prompt_index} has token id {ids[bad[0]]} outside the "
+                         f"vocabulary [0, {vocab_size})")
     positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lens)
     row_group = np.array([g for g, m in enumerate(members) for _ in m], dtype=np.int64)
     row_len = lens[row_group]
