@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout rollout_mixed probe attnprobe timeline code reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout rollout_mixed tuned probe probe_quick attnprobe timeline code reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl).
@@ -36,6 +36,12 @@ for p in $parts; do case $p in
   rollout) # HF=none leaves out HF generate (its same-run figure is needed only for the speedup)
            hf=--hf; [ "${HF:-}" = none ] && hf=
            run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-prefill_cpp_wrapper}" --out "$RES/rollout.partial.json" ;;
+  tuned)   # the decode attention's launch settings swept, the fastest one as a rollout variant
+           run probe python3 bench/probes/decode_step.py --attention-only
+           export DECODE_LAUNCH=$(python3 bench/probes/best_decode_launch.py "$RES/probe.json")
+           echo "DECODE_LAUNCH=$DECODE_LAUNCH" | tee -a "$RES/session.log"
+           hf=--hf; [ "${HF:-}" = none ] && hf=
+           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-decode_launch_env}" --out "$RES/rollout.partial.json" ;;
   rollout_mixed) # prompts of 256-512 tokens: the dense prefill pads (auto) against varlen
            run rollout_mixed python3 tools/bench_rollout.py --compile --compile-prefill --prompt-len-min 256 --variants prefill_varlen ;;
   attnprobe) run prefill_attention python3 bench/probes/prefill_attention.py ;;
@@ -44,6 +50,7 @@ for p in $parts; do case $p in
            TORCH_LOGS=output_code timeout 300 python3 tools/bench_rollout.py --batch 64 --new-tokens 4 \
              --compile --compile-prefill > /dev/null 2> "$RES/output_code.log"
            echo "code rc=$?" | tee -a "$RES/session.log"; gzip -f "$RES/output_code.log"; pack ;;
+  probe_quick) run probe python3 bench/probes/decode_step.py --attention-only ;;
   probe)   run probe python3 bench/probes/decode_step.py
            ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
            [ -n "$ncu" ] && timeout 240 "$ncu" --clock-control none -k 'regex:_split_kernel|nvjet|splitK' -c 24 \

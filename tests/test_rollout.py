@@ -248,31 +248,17 @@ def test_continuous_batching_equals_one_by_one(tmp_path):
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_multi_step_decode_equals_single_steps(tmp_path, static):
-    """multi_step runs decode steps back to back once no prompt waits: rows that stop inside a
-    run idle to its end and are retired late (one launch of lag as on CUDA), yet every token,
-    log-prob and finish reason equals single steps; a run with rows out of tokens launches no
-    extra step."""
+def test_no_decode_step_after_every_row_ran_out(tmp_path, static):
+    """With finished flags read one launch late (CUDA), the host still knows when every row
+    has generated max_tokens: MAX_NEW tokens take the prefill's token + MAX_NEW - 1 decode
+    steps, none more (the step the lag used to add computed nothing that was kept)."""
     model = load_decoder(save_tiny(tmp_path / "q", "qwen2", tied=True))
-    prompts = _prompts([3, 12, 5, 1, 9, 7, 2, 15, 4, 6], 97, seed=9)
-    free, _ = _greedy(model, prompts, max_num_seqs=16)
-    stop = _pick_stop([r.token_ids for r in free])
-    runs = {}
-    for k in (1, 5):
-        runs[k] = _greedy(model, prompts, stop=[stop], max_num_seqs=4, steps_in_flight=1,
-                          static=static, multi_step=k)
-    (single, one), (multi, five) = runs[1], runs[5]
-    assert {r.finish_reason for r in single} == {"stop", "length"}
-    assert [(r.token_ids, r.finish_reason) for r in multi] == \
-        [(r.token_ids, r.finish_reason) for r in single]
-    assert max(abs(a - b) for r, q in zip(multi, single)
-               for a, b in zip(r.logprobs, q.logprobs)) < 1e-5
-    assert one.stats["num_decode_launches"] == one.stats["num_decode_steps"]
-    assert five.stats["num_decode_launches"] < five.stats["num_decode_steps"] - 4
-    # all rows to length: MAX_NEW tokens = the prefill's + MAX_NEW - 1 decode steps, none more
-    for k in (1, 5):
-        _, engine = _greedy(model, prompts[:4], steps_in_flight=1, static=static, multi_step=k)
-        assert engine.stats["num_decode_steps"] == MAX_NEW - 1
+    prompts = _prompts([3, 12, 5, 9], 97, seed=9)
+    runs = [_greedy(model, prompts, steps_in_flight=lag, static=static) for lag in (0, 1)]
+    (eager, e0), (lagged, e1) = runs
+    assert e0.stats["num_decode_steps"] == e1.stats["num_decode_steps"] == MAX_NEW - 1
+    assert [r.token_ids for r in lagged] == [r.token_ids for r in eager]
+    assert all(len(r.token_ids) == MAX_NEW for r in lagged)
 
 
 @pytest.mark.parametrize("lens", [[6, 6, 6], [5, 7, 3, 7, 6]])
@@ -310,23 +296,18 @@ def test_dense_prefill_equals_varlen_prefill(tmp_path, monkeypatch):
         prompts = _prompts(lens, 97, seed=sum(lens))
         runs = []
         calls.clear()
-        for mode in ("varlen", "dense"):
+        for mode, compiled in (("varlen", False), ("dense", False), ("dense", "aot_eager")):
             engine = Engine(model, max_num_seqs=8, max_model_len=64, max_prefill_tokens=128,
-                            prefill_attention=mode)
+                            prefill_attention=mode, compile_prefill=compiled)
             runs.append(engine.generate(prompts, SamplingParams(temperature=0.0,
                                                                 max_tokens=6)))
-        varlen, dense = runs
-        assert calls == used                    # one call per layer, pad index or none
-        assert [r.token_ids for r in dense] == [r.token_ids for r in varlen]
-        assert max(abs(a - b) for r, q in zip(dense, varlen)
-                   for a, b in zip(r.logprobs, q.logprobs)) < 1e-5
-
-
-def test_multi_step_must_be_positive():
-    model = Decoder(ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
-    with pytest.raises(ValueError, match="multi_step=0"):
-        Engine(model, max_num_seqs=2, max_model_len=16, max_prefill_tokens=16, multi_step=0)
+            assert engine.runner.prefill_compiled == bool(compiled)   # no eager fallback
+        varlen = runs[0]
+        assert calls == used * 2                # one call per layer, pad index or none
+        for dense in runs[1:]:
+            assert [r.token_ids for r in dense] == [r.token_ids for r in varlen]
+            assert max(abs(a - b) for r, q in zip(dense, varlen)
+                       for a, b in zip(r.logprobs, q.logprobs)) < 1e-5
 
 
 def _varlen_seqused_reference(q, k, v, cu_q, cu_k, seqused, max_q, max_k):

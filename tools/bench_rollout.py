@@ -67,6 +67,16 @@ def logprob_check(model, prompts, results, num: int = 4) -> float:
 
 
 def bench_engine(model, prompts, args, device) -> dict:
+    if args.decode_launch:        # the Triton decode kernel's tile and launch (module state)
+        from hybridengine.kernels import decode_attention as da
+        saved = da.BLOCK_N, da.LAUNCH
+        block_n, warps, stages = (int(x) for x in args.decode_launch.split(","))
+        da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
+        try:
+            return bench_engine(model, prompts, argparse.Namespace(
+                **{**vars(args), "decode_launch": ""}), device)
+        finally:
+            da.BLOCK_N, da.LAUNCH = saved
     if args.blas == "default" or device.type != "cuda":
         return _bench_engine(model, prompts, args, device)
     before = torch.backends.cuda.preferred_blas_library()
@@ -84,13 +94,12 @@ def build_engine(model, args) -> tuple[Engine, SamplingParams]:
                     kv_cache_tokens=(args.batch + 1) * max_len,
                     max_prefill_tokens=max(args.max_prefill_tokens, max_len),
                     enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,
-                    compile_prefill=args.compile_prefill, multi_step=args.multi_step,
+                    compile_prefill=args.compile_prefill,
                     prefill_attention=args.prefill_attention)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     engine.runner.fused_sampler = args.sampler != "torch"
     engine.runner.fused_rope = not args.separate_rope
-    engine.runner.graph_copies = args.graph_copies
     return engine, params
 
 
@@ -98,9 +107,7 @@ def _bench_engine(model, prompts, args, device) -> dict:
     engine, params = build_engine(model, args)
     log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
     t0 = time.perf_counter()
-    # long enough to capture both decode graphs: multi_step steps, then single ones
-    engine.generate(prompts, replace(params, max_tokens=min(engine.multi_step + 2,
-                                                            args.new_tokens)))
+    engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
     sync(device)
     warmup_s = time.perf_counter() - t0
     log(f"engine: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens")
@@ -228,16 +235,15 @@ def parse_args(argv=None):
                          "decode attention (default: inside it)")
     ap.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
                     help="torch.backends.cuda.preferred_blas_library for the engine's GEMMs")
-    ap.add_argument("--multi-step", type=int, default=8,
-                    help="decode steps per graph replay while no prompt waits (Engine.multi_step)")
     ap.add_argument("--prompt-len-min", type=int, default=None,
                     help="prompt lengths uniform in [this, --prompt-len] (default: all "
                          "--prompt-len; not with --hf)")
-    ap.add_argument("--graph-copies", type=int, default=1,
-                    help="copies of each decode graph, replayed in turn")
     ap.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
                     help="prefill attention: flash varlen, or a dense kernel (cuDNN) over the "
                          "right-padded prompts (Engine.prefill_attention)")
+    ap.add_argument("--decode-launch", default="",
+                    help="BLOCK_N,WARPS,STAGES of the Triton decode attention (default: "
+                         "kernels.decode_attention's)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -251,8 +257,8 @@ def parse_args(argv=None):
                          "(compile in inductor's max-autotune mode), separate_rope, prefill_64k "
                          "(--max-prefill-tokens 65536), cublaslt (--blas cublaslt), "
                          "prefill_cpp_wrapper (the compiled prefill launched from C++), "
-                         "single_step (--multi-step 1), two_graphs (--graph-copies 2), "
-                         "prefill_varlen / prefill_dense (--prefill-attention); '+' "
+                         "prefill_varlen / prefill_dense (--prefill-attention), "
+                         "decode_launch_env (--decode-launch $DECODE_LAUNCH); '+' "
                          "combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -319,9 +325,9 @@ def main(argv=None) -> None:
              "separate_rope": {"separate_rope": True},
              "prefill_64k": {"max_prefill_tokens": 65536}, "cublaslt": {"blas": "cublaslt"},
              "prefill_cpp_wrapper": {"compile_prefill": "cpp-wrapper"},
-             "single_step": {"multi_step": 1}, "two_graphs": {"graph_copies": 2},
              "prefill_varlen": {"prefill_attention": "varlen"},
-             "prefill_dense": {"prefill_attention": "dense"}}
+             "prefill_dense": {"prefill_attention": "dense"},
+             "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

@@ -98,8 +98,6 @@ def main():
     model = Decoder(QWEN2_5_0_5B, dtype=torch.bfloat16, device=dev).eval()
     prompts = random_prompts(args.batch, args.prompt_len, QWEN2_5_0_5B.vocab_size)
     engine, params = build_engine(model, args)
-    if os.environ.get("GRAPH_COPIES"):
-        engine.runner.graph_copies = int(os.environ["GRAPH_COPIES"])
     engine.generate(prompts, params)                       # warm-up: compile, capture
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:

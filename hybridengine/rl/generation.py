@@ -91,7 +91,6 @@ class Generator:
                                  compile_prefill=bool(c.get("compile_prefill", False))
                                  and dev.type == "cuda",
                                  attn_backend=c.get("attn_backend", "auto"),
-                                 multi_step=int(c.get("multi_step", 8)),
                                  prefill_attention=c.get("prefill_attention", "auto"),
                                  device=dev, dtype=self.dtype)
         return self.engine

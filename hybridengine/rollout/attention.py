@@ -258,23 +258,39 @@ def padded_causal_attention(q, k, v, num_seqs: int, max_len: int,
     tokens and the packed rows already are the dense ones). Right padding needs no mask: a real
     query at position i sees keys 0..i, all real; padded rows are computed and dropped. On
     CUDA, cuDNN's fused attention (on an H200 at 32 × 512 tokens, h_q 14, h_kv 2, d 64: 64 µs
-    against 148 µs for flash varlen; bench/RESULTS.md 2026-11-30 session 6), else SDPA."""
-    T, hq, d = q.shape
-    P, N = num_seqs, max_len
+    against 146 µs for flash varlen; bench/RESULTS.md 2026-11-30 session 6), else SDPA."""
+    if pad_index is None:
+        return dense_causal_attention(q, k, v, num_seqs, max_len)
 
-    def dense(x):
-        if pad_index is not None:
-            x = x.new_zeros(P * N, x.shape[1], d).index_copy_(0, pad_index, x)
-        return x.view(P, N, x.shape[1], d).transpose(1, 2)               # [P, h, N, d]
-    qd, kd, vd = dense(q), dense(k), dense(v)
+    def pad(x):
+        return x.new_zeros(num_seqs * max_len, *x.shape[1:]).index_copy_(0, pad_index, x)
+    out = dense_causal_attention(pad(q), pad(k), pad(v), num_seqs, max_len)
+    return out.index_select(0, pad_index)
+
+
+# A custom op: under torch.compile inductor sees one opaque call that takes its inputs with the
+# strides they have. Inlined, its layout constraints for cuDNN's inputs changed how the
+# compiled prefill laid out K, and the K/V cache write next to it ran 8x slower (16 against
+# 1.9 ms per generate on an H200; bench/RESULTS.md 2026-11-30 session 6).
+@torch.library.custom_op("hybridengine::dense_causal_attention", mutates_args=())
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
+                           max_len: int) -> torch.Tensor:
+    """q [S·N, h_q, d], k/v [S·N, h_kv, d] holding S = num_seqs sequences of N = max_len rows
+    each -> causal attention within each sequence, [S·N, h_q, d] (see padded_causal_attention)."""
+    T, hq, d = q.shape
+    qd, kd, vd = (x.view(num_seqs, max_len, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
     if q.is_cuda:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qd, kd, vd, None, False, 0.0, True, False, scale=d ** -0.5)[0]
     else:
         out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
                                              enable_gqa=kd.shape[1] != hq)
-    out = out.transpose(1, 2).reshape(P * N, hq, d)
-    return out if pad_index is None else out.index_select(0, pad_index)
+    return out.transpose(1, 2).reshape(T, hq, d).contiguous()
+
+
+@dense_causal_attention.register_fake
+def _(q, k, v, num_seqs, max_len):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str,

@@ -93,9 +93,6 @@ class Engine:
     compile_prefill=True the prefill forward too (dynamic shapes; eager again if it fails).
     prefill_attention: auto | varlen | dense (rollout.attention.resolve_prefill_attention); with
     dense, prompts enter longest first, so that each prefill pads little.
-    multi_step: decode steps run back to back between two finished-checks (one graph replay)
-    while no prompt waits for a slot, as vLLM's multi-step scheduling: a row that finishes
-    inside such a run idles to its end, which costs nothing while no one waits for its slot.
     """
 
     def __init__(self, model, max_num_seqs: int = 256, max_model_len: int | None = None,
@@ -103,7 +100,7 @@ class Engine:
                  max_prefill_tokens: int = 16384, enforce_eager: bool = False,
                  attn_backend: str = "auto", compile: bool | str = False,
                  compile_prefill: bool | str = False, prefill_attention: str = "auto",
-                 multi_step: int = 8, device=None,
+                 device=None,
                  dtype: torch.dtype | None = None):
         max_model_len = max_model_len or model.cfg.max_position_embeddings
         _check_model(model, device, dtype)
@@ -114,15 +111,13 @@ class Engine:
         if max_prefill_tokens < max_model_len:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be >= "
                              f"max_model_len={max_model_len} (a prompt is prefilled in one step)")
-        if multi_step < 1:
-            raise ValueError(f"multi_step={multi_step} must be >= 1")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         self.model, self.max_model_len = model, max_model_len
         self.runner = ModelRunner(model, max_num_seqs, max_model_len, max_prefill_tokens,
                                   kv_cache_tokens, gpu_memory_utilization, enforce_eager,
                                   attn_backend, compile, compile_prefill, prefill_attention)
-        self.max_prefill_tokens, self.multi_step = max_prefill_tokens, multi_step
+        self.max_prefill_tokens = max_prefill_tokens
         # Steps whose finished flags are read only after the next step is queued: 1 on CUDA
         # (the host never waits for the step it just launched); tests set 1 on CPU too.
         self.steps_in_flight = 1 if self.runner.device.type == "cuda" else 0
@@ -179,30 +174,19 @@ class Engine:
                     pending.append(self.runner.prefill(batch))
             else:
                 rows = sched.decode_rows()
-                steps = self._decode_steps(sched, rows)
-                if steps == 0 and pending:   # every row is out of tokens: retire, launch nothing
+                if pending and _out_of_tokens(rows):   # all finished on the device already
                     self._retire(pending.popleft(), sched)
                     continue
-                steps = max(steps, 1)
-                max_k = min(self.max_model_len, max(s.num_cached for s in rows) + steps)
-                with timer("decode", steps):
-                    pending.append(self.runner.decode([s.slot for s in rows], max_k, steps))
+                max_k = min(self.max_model_len, max(s.num_cached for s in rows) + 1)
+                with timer("decode"):
+                    pending.append(self.runner.decode([s.slot for s in rows], max_k))
                 for s in rows:
-                    s.num_cached += steps
+                    s.num_cached += 1
             while len(pending) > self.steps_in_flight:
                 self._retire(pending.popleft(), sched)
         while pending:
             self._retire(pending.popleft(), sched)
 
-    def _decode_steps(self, sched: Scheduler, rows: list[Sequence]) -> int:
-        """How many decode steps to launch together: multi_step while no sequence waits and
-        some row has that many tokens left, else 1; 0 when every row has generated its
-        max_gen tokens (it finished in a launched step; only its retirement is due)."""
-        # generated so far = the prefill's token + one per decode step counted in num_cached
-        left = max(s.max_gen - (s.num_cached - len(s.prompt) + 1) for s in rows)
-        if left <= 0:
-            return 0
-        return self.multi_step if not sched.waiting and left >= self.multi_step else 1
 
     def _retire(self, pending: Pending, sched: Scheduler) -> None:
         slots = pending.finished_slots()
@@ -230,6 +214,13 @@ class Engine:
         return int(all_reduce(seed, self.model.tp_group, dist.ReduceOp.MAX).item())
 
 
+def _out_of_tokens(rows: list[Sequence]) -> bool:
+    """Whether every row has generated its max_gen tokens in the steps launched so far (the
+    prefill's token + one per decode step counted in num_cached): then each has finished on the
+    device and a further step would compute nothing that is kept."""
+    return all(s.num_cached - len(s.prompt) + 1 >= s.max_gen for s in rows)
+
+
 def _check_model(model, device, dtype) -> None:
     if getattr(model, "sp", False):
         raise ValueError("the generation model must be built with sequence_parallel=False")
@@ -249,28 +240,26 @@ class _StepTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans: list[tuple[str, int, object, object]] = []
+        self.spans: list[tuple[str, object, object]] = []
         self.t0 = time.perf_counter()
 
-    def __call__(self, phase: str, steps: int = 1):
-        return _Span(self, phase, steps)
+    def __call__(self, phase: str):
+        return _Span(self, phase)
 
     def totals(self) -> dict:
-        out = {"prefill_s": 0.0, "decode_s": 0.0, "num_prefill_steps": 0, "num_decode_steps": 0,
-               "num_decode_launches": 0}
+        out = {"prefill_s": 0.0, "decode_s": 0.0, "num_prefill_steps": 0, "num_decode_steps": 0}
         if self.cuda:
             torch.cuda.synchronize()
-        for phase, steps, a, b in self.spans:
+        for phase, a, b in self.spans:
             out[f"{phase}_s"] += a.elapsed_time(b) / 1e3 if self.cuda else b - a
-            out[f"num_{phase}_steps"] += steps
-            out["num_decode_launches"] += phase == "decode"
+            out[f"num_{phase}_steps"] += 1
         out["total_s"] = time.perf_counter() - self.t0
         return out
 
 
 class _Span:
-    def __init__(self, timer: _StepTimer, phase: str, steps: int):
-        self.timer, self.phase, self.steps = timer, phase, steps
+    def __init__(self, timer: _StepTimer, phase: str):
+        self.timer, self.phase = timer, phase
 
     def _mark(self):
         if self.timer.cuda:
@@ -283,4 +272,4 @@ class _Span:
         self.start = self._mark()
 
     def __exit__(self, *exc):
-        self.timer.spans.append((self.phase, self.steps, self.start, self._mark()))
+        self.timer.spans.append((self.phase, self.start, self._mark()))

@@ -129,9 +129,6 @@ class ModelRunner:
         # the Triton decode attention (benchmarks turn them off to compare; set before the
         # first decode graph is captured)
         self.fused_sampler = self.fused_rope = True
-        # copies of each decode graph, replayed in turn (a benchmark knob: whether a replay
-        # queued behind a running replay of the same graph waits for it)
-        self.graph_copies = 1
         self.cache: KVCache | None = None
         # sampler parameters: device tensors, so that one graph serves every value
         self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
@@ -179,7 +176,6 @@ class ModelRunner:
             self.buckets = self.buckets[1:]
         self.graphs: dict = {}
         self._graph_pool = None
-        self._replays = 0
         self._uploaded_rows: list[int] | None = None
 
     def free(self) -> None:
@@ -348,40 +344,33 @@ class ModelRunner:
                 self.prefill_compiled = False
         return self._prefill_hidden(packed, ctx)
 
-    def decode(self, slots: list[int], max_k: int, steps: int = 1) -> Pending:
-        """`steps` tokens for each running slot (sorted), back to back: one graph replay, one
-        finished-check (the rows that finished in any of them). max_k bounds the keys read
-        (eager only; it covers the last of the steps)."""
+    def decode(self, slots: list[int], max_k: int) -> Pending:
+        """One token for each running slot (sorted). max_k bounds the keys read (eager only)."""
         B = len(slots)
         with torch.no_grad(), record_function("decode"):
             if self.static_shapes:
                 bucket = next(b for b in self.buckets if b >= B)
-                graph = self._graph(bucket, steps) if self.use_graphs else None
+                graph = self._graph(bucket) if self.use_graphs else None
                 rows = slots + [self.cache.scratch_slot] * (bucket - B)
                 if rows != self._uploaded_rows:
                     self.row_slots[:bucket].copy_(self._h2d(rows), non_blocking=True)
                     self._uploaded_rows = rows
                 if graph is not None:
-                    graph[self._replays % len(graph)].replay()
-                    self._replays += 1
+                    graph.replay()
                 else:
-                    self._decode_steps(bucket, self.max_model_len, steps)
+                    self._decode_step(bucket, self.max_model_len)
             else:
                 self.row_slots[:B].copy_(self._h2d(slots))
-                self._decode_steps(B, max_k, steps)
+                self._decode_step(B, max_k)
         return Pending(slots, self.step_fin[:B])
 
-    def _decode_steps(self, B: int, max_k: int, steps: int) -> None:
+    def _decode_step(self, B: int, max_k: int) -> None:
         slots = self.row_slots[:B]
         if self.compiled and B > 1:
             torch._dynamo.mark_dynamic(slots, 0)
-        fin = None
-        for _ in range(steps):
-            h = self._decode_body(slots, max_k)
-            # the forward only writes the cache: positions still hold this step's values
-            done = self._sample_and_commit(slots, self.positions[slots], h)
-            fin = done if fin is None else fin | done
-        self.step_fin[:B] = fin
+        h = self._decode_body(slots, max_k)
+        # the forward only writes the cache: positions still hold this step's values
+        self.step_fin[:B] = self._sample_and_commit(slots, self.positions[slots], h)
 
     def _decode_hidden(self, slots: torch.Tensor, max_k: int) -> torch.Tensor:
         """slots [B] -> last hidden states [B, H] of the rows' current tokens (writes K/V)."""
@@ -391,10 +380,10 @@ class ModelRunner:
                             cu_q, self.cu_k_tail, self.positions if self.fused_rope else None)
         return self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
 
-    def _graph(self, bucket: int, steps: int):
-        """The decode graph of (sampler mode, bucket, steps), captured on first use. Its warm-up
-        and capture run on scratch rows only, so they can happen in the middle of a generation."""
-        key = (self.mode, bucket, steps)
+    def _graph(self, bucket: int):
+        """The decode graph of (sampler mode, bucket), captured on first use. Its warm-up and
+        capture run on scratch rows only, so they can happen in the middle of a generation."""
+        key = (self.mode, bucket)
         if key in self.graphs:
             return self.graphs[key]
         self.row_slots[:bucket].fill_(self.cache.scratch_slot)
@@ -402,25 +391,22 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):       # warm-up: cuBLAS / NCCL / allocator state
-            self._decode_steps(bucket, self.max_model_len, steps)
+            self._decode_step(bucket, self.max_model_len)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         # torch.cuda.graph() without its gc.collect() and empty_cache(): captures happen again
         # after each free_cache(), inside a trainer with a large Python heap
         torch.cuda.synchronize(self.device)
-        graphs = []
-        for _ in range(self.graph_copies):     # copies share the pool: they never overlap
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self._graph_pool)
-                try:
-                    self._decode_steps(bucket, self.max_model_len, steps)
-                finally:
-                    graph.capture_end()
-            if self._graph_pool is None:
-                self._graph_pool = graph.pool()
-            graphs.append(graph)
-        self.graphs[key] = graphs
-        return graphs
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._graph_pool)
+            try:
+                self._decode_step(bucket, self.max_model_len)
+            finally:
+                graph.capture_end()
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        self.graphs[key] = graph
+        return graph
 
 
 def _prefill_plan(seqs: list[Sequence], vocab_size: int) -> tuple[dict[str, np.ndarray], int]:
