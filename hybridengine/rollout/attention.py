@@ -243,11 +243,33 @@ class PrefillContext:
     def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
         if self.cache is not None:          # None: a memory-profiling run
             layer = layer_idx - self.layer_start
-            self.cache.write(layer, self.dst_slot, self.dst_pos, k.index_select(0, self.src),
-                             v.index_select(0, self.src))
+            if self.dense is not None:
+                write_prefill_kv(self.cache.k[layer], self.cache.v[layer], self.dst_slot,
+                                 self.dst_pos, k, v, self.src)
+            else:
+                self.cache.write(layer, self.dst_slot, self.dst_pos,
+                                 k.index_select(0, self.src), v.index_select(0, self.src))
         if self.dense is not None:
             return padded_causal_attention(q, k, v, *self.dense)
         return self.inner.attend(layer_idx, q, k, v)
+
+
+# With the dense prefill attention (an opaque op), inductor deferred each layer's K/V cache
+# write and fused those of 4 layers into one kernel that ran ~8x slower than the write in the
+# varlen prefill (16 against 1.9 ms per generate on an H200, bench/RESULTS.md 2026-11-30
+# session 6): as an opaque op of its own, the write runs where the layer computes it.
+@torch.library.custom_op("hybridengine::write_prefill_kv", mutates_args=("k_cache", "v_cache"))
+def write_prefill_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: torch.Tensor,
+                     dst_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     src: torch.Tensor) -> None:
+    """k_cache/v_cache[dst_slot[i], dst_pos[i]] = k/v[src[i]] (KVCache.write of packed rows)."""
+    k_cache[dst_slot, dst_pos] = k.index_select(0, src).to(k_cache.dtype)
+    v_cache[dst_slot, dst_pos] = v.index_select(0, src).to(v_cache.dtype)
+
+
+@write_prefill_kv.register_fake
+def _(k_cache, v_cache, dst_slot, dst_pos, k, v, src):
+    return None
 
 
 def padded_causal_attention(q, k, v, num_seqs: int, max_len: int,
@@ -268,10 +290,9 @@ def padded_causal_attention(q, k, v, num_seqs: int, max_len: int,
     return out.index_select(0, pad_index)
 
 
-# A custom op: under torch.compile inductor sees one opaque call that takes its inputs with the
-# strides they have. Inlined, its layout constraints for cuDNN's inputs changed how the
-# compiled prefill laid out K, and the K/V cache write next to it ran 8x slower (16 against
-# 1.9 ms per generate on an H200; bench/RESULTS.md 2026-11-30 session 6).
+# A custom op, as the decode kernels: under torch.compile inductor sees one opaque call that
+# takes q, k, v with the strides they have (views of the qkv projection and the RoPE output)
+# instead of applying its own stride rules for cuDNN's inputs.
 @torch.library.custom_op("hybridengine::dense_causal_attention", mutates_args=())
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
                            max_len: int) -> torch.Tensor:
