@@ -96,6 +96,8 @@ def resolve_prefill_attention(requested: str, device: torch.device, dtype: torch
 
 
 def _dense_prefill_agrees(device, dtype, heads) -> bool:
+    """Run the dense prefill once on padded prompts of the model's head shape and compare with
+    varlen: a cuDNN that rejects the shape (or computes it differently) keeps varlen."""
     hq, hkv, d = heads
     try:
         g = torch.Generator(device="cpu").manual_seed(0)

@@ -108,8 +108,8 @@ class ModelRunner:
         # Optionally the prefill forward too (dynamic shapes: every prefill packs a different
         # number of tokens and prompts). A failure to compile falls back to eager, once.
         # "cpp-wrapper": inductor launches the kernels from C++ instead of Python (a benchmark
-        # variant: the host spends ~9 ms issuing each compiled 16k-token prefill on an H200,
-        # bench/RESULTS.md 2026-11-30 session 5, call 8; not yet timed).
+        # variant; on an H200 it gained nothing measurable: prefill 0.241 against 0.243 s, with
+        # 110 against 60 s of warm-up; bench/RESULTS.md 2026-11-30 session 6, call 1).
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
         if compile_prefill == "cpp-wrapper":
             self._prefill_body = torch.compile(self._prefill_hidden, dynamic=True,
@@ -414,7 +414,8 @@ def _prefill_plan(seqs: list[Sequence], vocab_size: int) -> tuple[dict[str, np.n
     prompts (ids, positions, cu); for every sequence's cache row the packed token each position
     copies (src -> (dst_slot, dst_pos)); the last token of each prompt; per sequence its prompt
     (row_prompt), slot, last prompt position, random key and token budget. Built with numpy
-    from the prompts' lengths: only the token ids pass through Python one by one."""
+    from the prompts' lengths: only the token ids pass through Python one by one; a token id
+    outside [0, vocab_size) raises a ValueError naming its prompt."""
     groups: dict[int, list[Sequence]] = {}
     for s in seqs:
         groups.setdefault(s.prompt_index, []).append(s)
