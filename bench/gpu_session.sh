@@ -35,7 +35,7 @@ for p in $parts; do case $p in
            fi ;;
   rollout) # HF=none leaves out HF generate (its same-run figure is needed only for the speedup)
            hf=--hf; [ "${HF:-}" = none ] && hf=
-           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-prefill_varlen}" --out "$RES/rollout.partial.json" ;;
+           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-kv_write_torch,prefill_varlen}" --out "$RES/rollout.partial.json" ;;
   tuned)   # the decode attention's launch settings swept, the fastest one as a rollout variant
            run probe python3 bench/probes/decode_step.py --attention-only
            export DECODE_LAUNCH=$(python3 bench/probes/best_decode_launch.py "$RES/probe.json")

@@ -504,6 +504,51 @@ def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+KV_WRITE_CHECK = """
+import os, torch
+os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
+from hybridengine.kernels.kv_write import write_kv_rows
+from hybridengine.rollout import attention
+torch.manual_seed(0)
+S, L, hkv, d, T = 4, 50, 2, 16, 37
+for dtype in (torch.float32, torch.float16):
+    # k as the prefill hands it over: a view of the RoPE output [T, h_q + h_kv, d]; v a view
+    # of the qkv projection [T, (h_q + 2 h_kv) d]; two samples of one prompt share the rows
+    qk = torch.randn(T, 6 + hkv, d).to(dtype)
+    qkv = torch.randn(T, (6 + 2 * hkv) * d).to(dtype)
+    k, v = qk[:, 6:], qkv[:, -hkv * d:].view(T, hkv, d)
+    src = torch.cat([torch.arange(T), torch.arange(20)])
+    dst_slot = torch.cat([torch.full((T,), 2), torch.full((20,), 0)])
+    dst_pos = torch.cat([torch.arange(T), torch.arange(20)])
+    caches = [torch.randn(S + 1, L, hkv, d).to(dtype) for _ in range(2)]
+    ref = [t.clone() for t in caches]
+    ref[0][dst_slot, dst_pos] = k[src]
+    ref[1][dst_slot, dst_pos] = v[src]
+    write_kv_rows(*caches, dst_slot, dst_pos, k, v, src)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref)), dtype
+    # the custom op takes the kernel in the interpreter, the torch path without it
+    for use in (True, False):
+        attention.TRITON_KV_WRITE = use
+        out = [t.clone() for t in ref]
+        for t in out:
+            t[dst_slot, dst_pos] = 0
+        attention.write_prefill_kv(*out, dst_slot, dst_pos, k, v, src)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref)), (dtype, use)
+print("ok")
+"""
+
+
+def test_triton_kv_write_matches_index_put_in_the_interpreter():
+    """The prefill's Triton K/V cache write (strided rows, two cache rows from one packed row)
+    equals torch's index_put bit for bit, as does the op that chooses between them."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", KV_WRITE_CHECK], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 SAMPLER_CHECK = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter

@@ -67,6 +67,14 @@ def logprob_check(model, prompts, results, num: int = 4) -> float:
 
 
 def bench_engine(model, prompts, args, device) -> dict:
+    if args.kv_write == "torch":  # the dense prefill's cache write through torch's indexing
+        from hybridengine.rollout import attention
+        attention.TRITON_KV_WRITE = False
+        try:
+            return bench_engine(model, prompts, argparse.Namespace(
+                **{**vars(args), "kv_write": "triton"}), device)
+        finally:
+            attention.TRITON_KV_WRITE = True
     if args.decode_launch:        # the Triton decode kernel's tile and launch (module state)
         from hybridengine.kernels import decode_attention as da
         saved = da.BLOCK_N, da.LAUNCH
@@ -241,6 +249,9 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
                     help="prefill attention: flash varlen, or a dense kernel (cuDNN) over the "
                          "right-padded prompts (Engine.prefill_attention)")
+    ap.add_argument("--kv-write", default="triton", choices=("triton", "torch"),
+                    help="the dense prefill's K/V cache write: kernels.kv_write, or torch's "
+                         "indexing")
     ap.add_argument("--decode-launch", default="",
                     help="BLOCK_N,WARPS,STAGES of the Triton decode attention (default: "
                          "kernels.decode_attention's)")
@@ -258,7 +269,8 @@ def parse_args(argv=None):
                          "(--max-prefill-tokens 65536), cublaslt (--blas cublaslt), "
                          "prefill_cpp_wrapper (the compiled prefill launched from C++), "
                          "prefill_varlen / prefill_dense (--prefill-attention), "
-                         "decode_launch_env (--decode-launch $DECODE_LAUNCH); '+' "
+                         "decode_launch_env (--decode-launch $DECODE_LAUNCH), kv_write_torch "
+                         "(--kv-write torch); '+' "
                          "combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -327,7 +339,8 @@ def main(argv=None) -> None:
              "prefill_cpp_wrapper": {"compile_prefill": "cpp-wrapper"},
              "prefill_varlen": {"prefill_attention": "varlen"},
              "prefill_dense": {"prefill_attention": "dense"},
-             "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")}}
+             "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")},
+             "kv_write_torch": {"kv_write": "torch"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

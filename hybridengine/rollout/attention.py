@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridengine.kernels import decode_attention as triton_decode
+from hybridengine.kernels import kv_write
 from hybridengine.models.attention import PackedCausalAttention, PackedInput
 from hybridengine.rollout.kv_cache import KVCache
 
@@ -259,12 +260,21 @@ class PrefillContext:
 # With the dense prefill attention (an opaque op), inductor deferred each layer's K/V cache
 # write and fused those of 4 layers into one kernel that ran ~8x slower than the write in the
 # varlen prefill (16 against 1.9 ms per generate on an H200, bench/RESULTS.md 2026-11-30
-# session 6): as an opaque op of its own, the write runs where the layer computes it.
+# session 6): as an opaque op of its own, the write runs where the layer computes it. Through
+# torch's indexing it took 10 ms per generate there; kernels.kv_write does it in one Triton
+# launch per layer where it runs (TRITON_KV_WRITE; benchmarks turn it off to compare).
+TRITON_KV_WRITE = True
+
+
 @torch.library.custom_op("hybridengine::write_prefill_kv", mutates_args=("k_cache", "v_cache"))
 def write_prefill_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: torch.Tensor,
                      dst_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      src: torch.Tensor) -> None:
     """k_cache/v_cache[dst_slot[i], dst_pos[i]] = k/v[src[i]] (KVCache.write of packed rows)."""
+    if TRITON_KV_WRITE and kv_write.available(k.device) and \
+            k_cache.stride() == v_cache.stride() and kv_write.supports(k_cache, k, v):
+        kv_write.write_kv_rows(k_cache, v_cache, dst_slot, dst_pos, k, v, src)
+        return
     k_cache[dst_slot, dst_pos] = k.index_select(0, src).to(k_cache.dtype)
     v_cache[dst_slot, dst_pos] = v.index_select(0, src).to(v_cache.dtype)
 
