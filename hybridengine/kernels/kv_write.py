@@ -16,9 +16,9 @@ Triton is optional (`available`); TRITON_INTERPRET=1 runs the kernel on CPU for 
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from hybridengine.kernels.decode_attention import available  # noqa: F401  (same condition)
 
 try:
     import triton
@@ -27,12 +27,6 @@ except ImportError:
     triton = None
 
 BLOCK_R = 16
-
-
-def available(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
