@@ -22,6 +22,10 @@ run() { local name=$1; shift
         echo "== $name: $*" | tee -a "$RES/session.log";
         timeout "${T:-300}" "$@" > "$RES/$name.json" 2> "$RES/$name.err";
         echo "rc=$? $(tail -c 600 "$RES/$name.json")" | tee -a "$RES/session.log"; pack; }
+# the rollout benchmark with HF generate in the same run (HF=none leaves it out: its figure is
+# needed only for the speedup) and $VARIANTS, else the variants given
+rollout() { local hf=--hf; [ "${HF:-}" = none ] && hf=
+            run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-$1}" --out "$RES/rollout.partial.json"; }
 for p in $parts; do case $p in
   tests)   timeout "${T:-300}" python3 -m pytest -q -m gpu tests/ > "$RES/tests.log" 2>&1
            echo "rc=$?" >> "$RES/tests.log"; tail -25 "$RES/tests.log" | tee -a "$RES/session.log"; pack ;;
@@ -33,15 +37,12 @@ for p in $parts; do case $p in
              run train_121 torchrun --nproc_per_node=2 tools/bench_train.py --pp 2
              run train_112 torchrun --nproc_per_node=2 tools/bench_train.py
            fi ;;
-  rollout) # HF=none leaves out HF generate (its same-run figure is needed only for the speedup)
-           hf=--hf; [ "${HF:-}" = none ] && hf=
-           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-kv_write_torch,prefill_varlen}" --out "$RES/rollout.partial.json" ;;
+  rollout) rollout kv_write_torch,prefill_varlen ;;
   tuned)   # the decode attention's launch settings swept, the fastest one as a rollout variant
            run probe python3 bench/probes/decode_step.py --attention-only
            export DECODE_LAUNCH=$(python3 bench/probes/best_decode_launch.py "$RES/probe.json")
            echo "DECODE_LAUNCH=$DECODE_LAUNCH" | tee -a "$RES/session.log"
-           hf=--hf; [ "${HF:-}" = none ] && hf=
-           run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-decode_launch_env}" --out "$RES/rollout.partial.json" ;;
+           rollout decode_launch_env ;;
   rollout_mixed) # prompts of 256-512 tokens: the dense prefill pads (auto) against varlen
            run rollout_mixed python3 tools/bench_rollout.py --compile --compile-prefill --prompt-len-min 256 --variants prefill_varlen ;;
   attnprobe) run prefill_attention python3 bench/probes/prefill_attention.py ;;

@@ -427,6 +427,17 @@ def test_auto_backend_falls_back_triton_then_flash_then_per_head_then_sdpa(monke
         attention.resolve_backend("triton", cuda, bf16, (8, 4, 8))
 
 
+def _run_in_triton_interpreter(script: str) -> None:
+    """Run a check script in a fresh process (it sets TRITON_INTERPRET=1 before importing the
+    kernels); it prints "ok" when every assertion held."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 TRITON_CHECK = """
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
@@ -496,12 +507,7 @@ print("ok")
 def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
     """The Triton split-KV kernel (several splits, empty ones included) against grouped SDPA,
     run by Triton's CPU interpreter (bf16 is checked on the GPU: the interpreter lacks it)."""
-    pytest.importorskip("triton")
-    import subprocess
-    import sys
-    proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    _run_in_triton_interpreter(TRITON_CHECK)
 
 
 KV_WRITE_CHECK = """
@@ -541,12 +547,7 @@ print("ok")
 def test_triton_kv_write_matches_index_put_in_the_interpreter():
     """The prefill's Triton K/V cache write (strided rows, two cache rows from one packed row)
     equals torch's index_put bit for bit, as does the op that chooses between them."""
-    pytest.importorskip("triton")
-    import subprocess
-    import sys
-    proc = subprocess.run([sys.executable, "-c", KV_WRITE_CHECK], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    _run_in_triton_interpreter(KV_WRITE_CHECK)
 
 
 SAMPLER_CHECK = """
@@ -600,12 +601,7 @@ def test_fused_sampler_matches_the_torch_sampler_in_the_interpreter():
     from the same uniforms, over partial blocks, several chunks and a row far below zero, fp32
     and fp16 logits, with log-probs within 1e-5 of float64; its draws follow softmax(z / T)
     (chi-square)."""
-    pytest.importorskip("triton")
-    import subprocess
-    import sys
-    proc = subprocess.run([sys.executable, "-c", SAMPLER_CHECK], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    _run_in_triton_interpreter(SAMPLER_CHECK)
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -47,19 +47,20 @@ if triton is not None:
         tl.store(VC + dst[:, None] + c[None, :], v.to(VC.dtype.element_ty), mask=ok)
 
 
-def supports(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Contiguous caches and rows whose h_kv·d elements are contiguous."""
+def supports(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> bool:
+    """Contiguous caches of one shape and K/V rows whose h_kv·d elements are contiguous."""
     h, d = k_cache.shape[2:]
-    return k_cache.is_contiguous() and all(
-        t.shape[1:] == (h, d) and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
+    return k_cache.is_contiguous() and v_cache.is_contiguous() and \
+        k_cache.shape == v_cache.shape and all(
+            t.shape[1:] == (h, d) and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
 
 
 def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: torch.Tensor,
                   dst_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   src: torch.Tensor) -> None:
     """k_cache/v_cache[dst_slot[i], dst_pos[i]] = k/v[src[i]] (see the module doc)."""
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or \
-            not supports(k_cache, k, v):
+    if not supports(k_cache, v_cache, k, v):
         raise ValueError("write_kv_rows needs contiguous caches of one shape and K/V rows of "
                          "h_kv·d contiguous elements")
     n = src.shape[0]

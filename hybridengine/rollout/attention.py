@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from hybridengine.kernels import decode_attention as triton_decode
 from hybridengine.kernels import kv_write
 from hybridengine.models.attention import PackedCausalAttention, PackedInput
-from hybridengine.rollout.kv_cache import KVCache
+from hybridengine.rollout.kv_cache import KVCache, write_rows
 
 logger = logging.getLogger(__name__)
 
@@ -272,11 +272,11 @@ def write_prefill_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: tor
                      src: torch.Tensor) -> None:
     """k_cache/v_cache[dst_slot[i], dst_pos[i]] = k/v[src[i]] (KVCache.write of packed rows)."""
     if TRITON_KV_WRITE and kv_write.available(k.device) and \
-            k_cache.stride() == v_cache.stride() and kv_write.supports(k_cache, k, v):
+            kv_write.supports(k_cache, v_cache, k, v):
         kv_write.write_kv_rows(k_cache, v_cache, dst_slot, dst_pos, k, v, src)
         return
-    k_cache[dst_slot, dst_pos] = k.index_select(0, src).to(k_cache.dtype)
-    v_cache[dst_slot, dst_pos] = v.index_select(0, src).to(v_cache.dtype)
+    write_rows(k_cache, v_cache, dst_slot, dst_pos, k.index_select(0, src),
+               v.index_select(0, src))
 
 
 @write_prefill_kv.register_fake

@@ -101,11 +101,17 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """slots, positions [N] int64; k, v [N, h_kv, d]."""
-        self.k[layer][slots, positions] = k.to(self.k[layer].dtype)
-        self.v[layer][slots, positions] = v.to(self.v[layer].dtype)
+        write_rows(self.k[layer], self.v[layer], slots, positions, k, v)
 
     def gather_slots(self, layer: int, slots: torch.Tensor, max_len: int):
         """K, V of the given slots' first max_len positions as [B, h_kv, max_len, d] (copies)."""
         k = self.k[layer][:, :max_len].index_select(0, slots)               # [B, L, h_kv, d]
         v = self.v[layer][:, :max_len].index_select(0, slots)
         return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One layer's cache rows [slots[i], positions[i]] = k[i], v[i] (KVCache.write)."""
+    k_cache[slots, positions] = k.to(k_cache.dtype)
+    v_cache[slots, positions] = v.to(v_cache.dtype)

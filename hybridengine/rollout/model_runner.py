@@ -242,10 +242,10 @@ class ModelRunner:
         self.res_slp.index_copy_(0, r, self.out_slp.index_select(0, s)[:, :W])
         self.res_len.index_copy_(0, r, self.counts.index_select(0, s))
 
-    def _h2d(self, values: list[int]) -> torch.Tensor:
-        """A small host list on the device without synchronising (pinned, non-blocking: the
-        pinned allocator keeps the buffer until the copy has run)."""
-        t = torch.tensor(values, dtype=torch.long)
+    def _h2d(self, values) -> torch.Tensor:
+        """Host int64 values (a list or a numpy array) on the device without synchronising
+        (pinned, non-blocking: the pinned allocator keeps the buffer until the copy has run)."""
+        t = torch.as_tensor(values, dtype=torch.long)
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
@@ -320,15 +320,13 @@ class ModelRunner:
             h = self._prefill_forward(packed, ctx)                             # [T, H]
             h = h.index_select(0, t["last"])                                   # [prompts, H]
             h = h.index_select(0, t["row_prompt"])                             # [seqs, H]
-            fin = self._sample_and_commit(slots, self.positions[slots], h)
+            fin = self._sample_and_commit(slots, t["last_pos"], h)   # = positions[slots]
         return Pending([s.slot for s in seqs], fin)
 
     def _h2d_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """int64 host arrays on the device through one pinned, non-blocking copy (views)."""
         sizes = [a.size for a in arrays.values()]
-        flat = torch.from_numpy(np.concatenate(list(arrays.values())))
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        flat = self._h2d(np.concatenate(list(arrays.values())))
         return dict(zip(arrays, flat.split(sizes)))
 
     def _prefill_hidden(self, packed: PackedInput, ctx: PrefillContext) -> torch.Tensor:
