@@ -34,24 +34,29 @@ except ImportError:
 
 CDF_BLOCK = 128              # tokens per block of the inverse-CDF search (rollout.sampling too)
 CHUNK_BLOCKS = 16            # blocks per pass-1 program (2048 tokens)
+CHUNK_LAUNCH = dict(num_warps=4)
 
 
 if triton is not None:
     @triton.jit
     def _chunk_kernel(Logits, stride_b, V, Temp, ChunkMax, ChunkSum, BlockSum, NB, NC,
-                      BLOCK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr):
+                      SCALED: tl.constexpr, BLOCK: tl.constexpr, CHUNK_BLOCKS: tl.constexpr):
         b = tl.program_id(0)
         c = tl.program_id(1)
-        inv_t = 1.0 / tl.load(Temp).to(tl.float32)
         blk = c * CHUNK_BLOCKS + tl.arange(0, CHUNK_BLOCKS)
         col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         z = tl.load(Logits + b.to(tl.int64) * stride_b + col, mask=col < V,
                     other=float("-inf")).to(tl.float32)
         m = tl.max(tl.max(z, 1), 0)                  # finite: every chunk holds a token
         tl.store(ChunkMax + b * NC + c, m)
-        tl.store(ChunkSum + b * NC + c, tl.sum(tl.sum(tl.exp(z - m), 1), 0))
-        w = tl.exp((z - m) * inv_t)
-        tl.store(BlockSum + b * NB + blk, tl.sum(w, 1), mask=blk < NB)
+        e = tl.exp(z - m)
+        if SCALED:
+            w = tl.exp((z - m) * (1.0 / tl.load(Temp).to(tl.float32)))
+        else:   # temperature 1: the weights are e (one exponential per logit, not two)
+            w = e
+        blocks = tl.sum(w, 1)
+        tl.store(ChunkSum + b * NC + c, tl.sum(tl.sum(e, 1), 0) if SCALED else tl.sum(blocks, 0))
+        tl.store(BlockSum + b * NB + blk, blocks, mask=blk < NB)
 
     @triton.jit
     def _pick_kernel(Logits, stride_b, V, Temp, ChunkMax, ChunkSum, BlockSum, U,
@@ -116,7 +121,8 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     sampled = torch.empty_like(logp)
     _chunk_kernel[(B, nc)](logits, logits.stride(0), V, temperature, chunk_max, chunk_sum,
-                           block_sum, nb, nc, BLOCK=CDF_BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS)
+                           block_sum, nb, nc, SCALED=scaled, BLOCK=CDF_BLOCK,
+                           CHUNK_BLOCKS=CHUNK_BLOCKS, **CHUNK_LAUNCH)
     _pick_kernel[(B,)](logits, logits.stride(0), V, temperature, chunk_max, chunk_sum,
                        block_sum, u.float(), tok, logp, sampled, nb, nc, SCALED=scaled,
                        BLOCK=CDF_BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS,
