@@ -90,12 +90,16 @@ def bench_engine(model, prompts, args, device) -> dict:
         if not hasattr(inductor_config.triton, "enable_pdl"):
             raise RuntimeError(f"--pdl: torch {torch.__version__} has no "
                                "torch._inductor.config.triton.enable_pdl")
+        # dynamo's cache is per code object: without a reset the compiled steps of an earlier
+        # run (same functions, guards pass) would be reused, and later runs would reuse these
+        torch._dynamo.reset()
         inductor_config.triton.enable_pdl = True
         try:
             return bench_engine(model, prompts, argparse.Namespace(
                 **{**vars(args), "pdl": False}), device)
         finally:
             inductor_config.triton.enable_pdl = False
+            torch._dynamo.reset()
     if args.blas == "default" or device.type != "cuda":
         return _bench_engine(model, prompts, args, device)
     before = torch.backends.cuda.preferred_blas_library()
