@@ -85,20 +85,18 @@ def bench_engine(model, prompts, args, device) -> dict:
                 **{**vars(args), "decode_launch": ""}), device)
         finally:
             da.BLOCK_N, da.LAUNCH = saved
-    if args.pdl:                  # inductor's Triton kernels launched with PDL (Hopper+)
-        from torch._inductor import config as inductor_config
-        if not hasattr(inductor_config.triton, "enable_pdl"):
-            raise RuntimeError(f"--pdl: torch {torch.__version__} has no "
-                               "torch._inductor.config.triton.enable_pdl")
+    if args.no_pdl:               # no programmatic dependent launch (module switches)
+        from hybridengine.kernels import decode_attention as da
+        from hybridengine.rollout import model_runner
         # dynamo's cache is per code object: without a reset the compiled steps of an earlier
         # run (same functions, guards pass) would be reused, and later runs would reuse these
         torch._dynamo.reset()
-        inductor_config.triton.enable_pdl = True
+        da.PDL = model_runner.PDL = False
         try:
             return bench_engine(model, prompts, argparse.Namespace(
-                **{**vars(args), "pdl": False}), device)
+                **{**vars(args), "no_pdl": False}), device)
         finally:
-            inductor_config.triton.enable_pdl = False
+            da.PDL = model_runner.PDL = True
             torch._dynamo.reset()
     if args.blas == "default" or device.type != "cuda":
         return _bench_engine(model, prompts, args, device)
@@ -270,10 +268,10 @@ def parse_args(argv=None):
     ap.add_argument("--decode-launch", default="",
                     help="BLOCK_N,WARPS,STAGES of the Triton decode attention (default: "
                          "kernels.decode_attention's)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="inductor's kernels with programmatic dependent launch "
-                         "(torch._inductor.config.triton.enable_pdl): each may start while the "
-                         "kernel before it drains")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="no programmatic dependent launch (default on Hopper+: inductor's "
+                         "kernels and the fused decode attention may start while the kernel "
+                         "before them drains)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -289,7 +287,7 @@ def parse_args(argv=None):
                          "prefill_cpp_wrapper (the compiled prefill launched from C++), "
                          "prefill_varlen / prefill_dense (--prefill-attention), "
                          "decode_launch_env (--decode-launch $DECODE_LAUNCH), kv_write_torch "
-                         "(--kv-write torch), pdl (--pdl); '+' "
+                         "(--kv-write torch), no_pdl (--no-pdl); '+' "
                          "combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -359,7 +357,7 @@ def main(argv=None) -> None:
              "prefill_varlen": {"prefill_attention": "varlen"},
              "prefill_dense": {"prefill_attention": "dense"},
              "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")},
-             "kv_write_torch": {"kv_write": "torch"}, "pdl": {"pdl": True}}
+             "kv_write_torch": {"kv_write": "torch"}, "no_pdl": {"no_pdl": True}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

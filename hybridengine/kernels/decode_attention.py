@@ -45,6 +45,9 @@ BLOCK_N = 64                 # keys per tile
 # by side per program (256 contiguous bytes per token instead of 128) 25.4 µs.
 LAUNCH = dict(num_warps=4, num_stages=3)
 MIN_GROUP_ROWS = 16          # tl.dot needs at least 16 rows: the G query heads are padded
+# programmatic dependent launch of the fused form (Hopper+; see _split_kernel); a module switch
+# for benchmarks
+PDL = True
 
 
 def available(device: torch.device) -> bool:
@@ -60,7 +63,7 @@ if triton is not None:
                       stride_nb, stride_nh, stride_cb,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      NEW_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+                      NEW_TOKEN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
@@ -73,6 +76,16 @@ if triton is not None:
         dd = tl.arange(0, HEAD_DIM)
         heads = j * GROUP + g
         g_ok = g < GROUP
+        if NEW_TOKEN:
+            swap = (dd + HEAD_DIM // 2) % HEAD_DIM
+            cos = tl.load(Cos + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
+            sin = tl.load(Sin + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
+        if PDL:
+            # Launched programmatically: this program may run while the kernel before it (the
+            # qkv projection) drains. What was read above (slots, positions, RoPE tables)
+            # came from earlier kernels, complete before that one started; q, k_new and
+            # v_new are its output: wait for it.
+            tl.extra.cuda.gdc_wait()
         q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
         q = tl.load(q_ptr + dd[None, :], mask=g_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -86,9 +99,6 @@ if triton is not None:
             # the new K/V written to the cache at position seqlen - 1, and the new token counted
             # from registers: the loop below reads only the cached prefix, so no program reads
             # what another writes.
-            swap = (dd + HEAD_DIM // 2) % HEAD_DIM
-            cos = tl.load(Cos + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
-            sin = tl.load(Sin + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
             q_sw = tl.load(q_ptr + swap[None, :], mask=g_ok[:, None], other=0.0)
             q = (q.to(tl.float32) * cos[None, :] + q_sw.to(tl.float32) * sin[None, :]).to(
                 q.dtype)
@@ -180,6 +190,10 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
     group = hq // hkv
     if q.stride(2) != 1:          # rows and heads may be strided (q a view of the fused qkv)
         q = q.contiguous()
+    # the fused form after the qkv projection (a cuBLAS kernel) on Hopper+; not in the
+    # interpreter, nor for the plain form, whose inputs may come from the kernel just before
+    pdl = PDL and new is not None and q.is_cuda and \
+        torch.cuda.get_device_capability(q.device)[0] >= 9
     length = split_len(B, hkv, max_len, _num_sms(q.device))
     splits = math.ceil(max_len / length)
     result = torch.empty(B, hq, d, dtype=q.dtype, device=q.device)
@@ -204,7 +218,8 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=new is not None,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **LAUNCH)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        **LAUNCH, **({"launch_pdl": True} if pdl else {}))
     if splits > 1:
         _merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
                                  SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=d)

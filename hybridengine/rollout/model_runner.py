@@ -38,6 +38,22 @@ logger = logging.getLogger(__name__)
 # the dense prefill attention runs while the padded prompts hold at most this many times the
 # prompt tokens; beyond, the varlen kernel
 DENSE_MAX_PADDING = 1.5
+# Programmatic dependent launch (Hopper and later): inductor's Triton kernels in the compiled
+# steps are launched so that each may be scheduled while the kernel before it drains, and wait
+# on the device (griddepcontrol) before touching its output. Measured on an H200: decode 1.828
+# -> 1.771 ms/step (bench/RESULTS.md 2026-11-30 session 7). A module switch for benchmarks; read
+# when a runner is built.
+PDL = True
+
+
+def _inductor_options(device: torch.device) -> dict:
+    """Inductor options of the rollout's compiled steps: PDL where torch has it (2.11+) and the
+    GPU supports it."""
+    from torch._inductor import config
+    if PDL and device.type == "cuda" and hasattr(config.triton, "enable_pdl") and \
+            torch.cuda.get_device_capability(device)[0] >= 9:
+        return {"triton.enable_pdl": True}
+    return {}
 
 
 def graph_buckets(max_rows: int) -> list[int]:
@@ -99,9 +115,12 @@ class ModelRunner:
         # (78.9k against 82.4k generated tok/s, 93 s of warm-up against 55 s).
         self._decode_body, self.compiled = self._decode_hidden, bool(compile)
         self._uniforms, self._commit_rows = uniforms, self._commit
+        options = _inductor_options(self.device)
         if compile:
             how = {"mode": "max-autotune-no-cudagraphs"} if compile == "max-autotune" else \
                 {"backend": compile if isinstance(compile, str) else "inductor"}
+            if how.get("backend") == "inductor" and options:
+                how["options"] = options
             self._decode_body = torch.compile(self._decode_hidden, **how)
             self._uniforms = torch.compile(uniforms, dynamic=True, **how)
             self._commit_rows = torch.compile(self._commit, dynamic=True, **how)
@@ -113,11 +132,12 @@ class ModelRunner:
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
         if compile_prefill == "cpp-wrapper":
             self._prefill_body = torch.compile(self._prefill_hidden, dynamic=True,
-                                               options={"cpp_wrapper": True})
+                                               options={"cpp_wrapper": True, **options})
         elif compile_prefill:
             backend = compile_prefill if isinstance(compile_prefill, str) else "inductor"
-            self._prefill_body = torch.compile(self._prefill_hidden, backend=backend,
-                                               dynamic=True)
+            self._prefill_body = torch.compile(
+                self._prefill_hidden, backend=backend, dynamic=True,
+                **({"options": options} if backend == "inductor" and options else {}))
         c = model.cfg
         heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
         self.backend = resolve_backend(attn_backend, self.device, self.dtype, heads)
