@@ -34,7 +34,9 @@ except ImportError:
 
 CDF_BLOCK = 128              # tokens per block of the inverse-CDF search (rollout.sampling too)
 CHUNK_BLOCKS = 16            # blocks per pass-1 program (2048 tokens)
-CHUNK_LAUNCH = dict(num_warps=4)
+# 2 warps per pass-1 program: 30.8 against 33.7 µs with 4 for both passes at 256 × 151936 bf16
+# logits on an H200 (bench/probes/gemm_forms.py, bench/RESULTS.md 2026-11-30 session 7)
+CHUNK_LAUNCH = dict(num_warps=2)
 
 
 if triton is not None:
