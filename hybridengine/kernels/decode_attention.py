@@ -10,6 +10,9 @@ The _rope form is the whole attention of a decode step in one launch: it takes q
 K/V straight from the qkv projection, applies RoPE to q and k_new, writes k_new / v_new at the
 slot's position and counts that token from registers while it reads the cached prefix (on an
 H200 it replaced a RoPE and a cache-write kernel per layer: 1.5 + 1.4 µs, bench/RESULTS.md).
+On Hopper and later it is launched with programmatic dependent launch: its programs start
+while the qkv projection drains, read the slots and positions, and wait on the device for
+the projection's output (PDL below).
 
 Why a kernel of our own: on an H200 at batch 256 and ~640 cached tokens (Qwen2.5-0.5B shape,
 h_q 14, h_kv 2, d 64), flash-attention's varlen kernel spent ~49 µs per layer per decode step,
@@ -76,16 +79,16 @@ if triton is not None:
         dd = tl.arange(0, HEAD_DIM)
         heads = j * GROUP + g
         g_ok = g < GROUP
+        if PDL:
+            # Launched programmatically: this program may run while the kernel before it (the
+            # qkv projection, or a kernel of its epilogue) drains. Only state written before
+            # this decode step began is read above (the row's slot, the slot's position);
+            # everything computed in the step (q, k_new, v_new, the RoPE tables) waits.
+            tl.extra.cuda.gdc_wait()
         if NEW_TOKEN:
             swap = (dd + HEAD_DIM // 2) % HEAD_DIM
             cos = tl.load(Cos + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
             sin = tl.load(Sin + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
-        if PDL:
-            # Launched programmatically: this program may run while the kernel before it (the
-            # qkv projection) drains. What was read above (slots, positions, RoPE tables)
-            # came from earlier kernels, complete before that one started; q, k_new and
-            # v_new are its output: wait for it.
-            tl.extra.cuda.gdc_wait()
         q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
         q = tl.load(q_ptr + dd[None, :], mask=g_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -190,8 +193,8 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
     group = hq // hkv
     if q.stride(2) != 1:          # rows and heads may be strided (q a view of the fused qkv)
         q = q.contiguous()
-    # the fused form after the qkv projection (a cuBLAS kernel) on Hopper+; not in the
-    # interpreter, nor for the plain form, whose inputs may come from the kernel just before
+    # the fused form on Hopper+, whose slot positions are the runner's state from earlier
+    # steps; not in the interpreter, nor for the plain form, whose lengths come from the step
     pdl = PDL and new is not None and q.is_cuda and \
         torch.cuda.get_device_capability(q.device)[0] >= 9
     length = split_len(B, hkv, max_len, _num_sms(q.device))
