@@ -37,7 +37,7 @@ for p in $parts; do case $p in
              run train_121 torchrun --nproc_per_node=2 tools/bench_train.py --pp 2
              run train_112 torchrun --nproc_per_node=2 tools/bench_train.py
            fi ;;
-  rollout) rollout kv_write_torch,prefill_varlen ;;
+  rollout) rollout no_pdl ;;
   tuned)   # the decode attention's launch settings swept, the fastest one as a rollout variant
            run probe python3 bench/probes/decode_step.py --attention-only
            export DECODE_LAUNCH=$(python3 bench/probes/best_decode_launch.py "$RES/probe.json")
