@@ -176,9 +176,9 @@ def test_programmatic_dependent_launch_changes_no_result():
     is still writing. 64 rows sampled at temperature 1, so every step fills the GPU."""
     from hybridengine.kernels import decode_attention as da
     from hybridengine.rollout import model_runner
-    if torch.cuda.get_device_capability()[0] < 9:
+    if not da.pdl_supported(CUDA):
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    model = Decoder(SMALL, dtype=torch.bfloat16, device=CUDA)
+    model = _small_bf16()
     prompts = _prompts([5 + i % 40 for i in range(64)], SMALL.vocab_size, seed=6)
     params = SamplingParams(temperature=1.0, max_tokens=48, seed=11)
     runs = []

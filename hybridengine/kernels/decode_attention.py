@@ -53,6 +53,12 @@ MIN_GROUP_ROWS = 16          # tl.dot needs at least 16 rows: the G query heads 
 PDL = True
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on this device can be launched with programmatic dependent launch
+    (CUDA, Hopper or later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def available(device: torch.device) -> bool:
     if triton is None:
         return False
@@ -195,8 +201,7 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
         q = q.contiguous()
     # the fused form on Hopper+, whose slot positions are the runner's state from earlier
     # steps; not in the interpreter, nor for the plain form, whose lengths come from the step
-    pdl = PDL and new is not None and q.is_cuda and \
-        torch.cuda.get_device_capability(q.device)[0] >= 9
+    pdl = PDL and new is not None and pdl_supported(q.device)
     length = split_len(B, hkv, max_len, _num_sms(q.device))
     splits = math.ceil(max_len / length)
     result = torch.empty(B, hq, d, dtype=q.dtype, device=q.device)

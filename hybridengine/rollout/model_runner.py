@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from hybridengine.kernels.decode_attention import pdl_supported
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0, group_size
 from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resolve_backend,
@@ -50,8 +51,7 @@ def _inductor_options(device: torch.device) -> dict:
     """Inductor options of the rollout's compiled steps: PDL where torch has it (2.11+) and the
     GPU supports it."""
     from torch._inductor import config
-    if PDL and device.type == "cuda" and hasattr(config.triton, "enable_pdl") and \
-            torch.cuda.get_device_capability(device)[0] >= 9:
+    if PDL and hasattr(config.triton, "enable_pdl") and pdl_supported(device):
         return {"triton.enable_pdl": True}
     return {}
 
