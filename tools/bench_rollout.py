@@ -16,12 +16,14 @@ and decode (tools/profiling.py) and the decode kernels per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -67,45 +69,34 @@ def logprob_check(model, prompts, results, num: int = 4) -> float:
 
 
 def bench_engine(model, prompts, args, device) -> dict:
+    """_bench_engine with the module switches the arguments name set for the run (and put back
+    after it): kernel settings the engine reads when it builds or launches."""
+    from hybridengine.kernels import decode_attention as da
+    from hybridengine.rollout import attention, model_runner
+    switches = []
     if args.kv_write == "torch":  # the dense prefill's cache write through torch's indexing
-        from hybridengine.rollout import attention
-        attention.TRITON_KV_WRITE = False
-        try:
-            return bench_engine(model, prompts, argparse.Namespace(
-                **{**vars(args), "kv_write": "triton"}), device)
-        finally:
-            attention.TRITON_KV_WRITE = True
-    if args.decode_launch:        # the Triton decode kernel's tile and launch (module state)
-        from hybridengine.kernels import decode_attention as da
-        saved = da.BLOCK_N, da.LAUNCH
+        switches.append((attention, "TRITON_KV_WRITE", False))
+    if args.decode_launch:        # the Triton decode kernel's tile and launch
         block_n, warps, stages = (int(x) for x in args.decode_launch.split(","))
-        da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
-        try:
-            return bench_engine(model, prompts, argparse.Namespace(
-                **{**vars(args), "decode_launch": ""}), device)
-        finally:
-            da.BLOCK_N, da.LAUNCH = saved
-    if args.no_pdl:               # no programmatic dependent launch (module switches)
-        from hybridengine.kernels import decode_attention as da
-        from hybridengine.rollout import model_runner
-        # dynamo's cache is per code object: without a reset the compiled steps of an earlier
-        # run (same functions, guards pass) would be reused, and later runs would reuse these
-        torch._dynamo.reset()
-        da.PDL = model_runner.PDL = False
-        try:
-            return bench_engine(model, prompts, argparse.Namespace(
-                **{**vars(args), "no_pdl": False}), device)
-        finally:
-            da.PDL = model_runner.PDL = True
+        switches += [(da, "BLOCK_N", block_n),
+                     (da, "LAUNCH", dict(num_warps=warps, num_stages=stages))]
+    if args.no_pdl:               # no programmatic dependent launch
+        switches += [(da, "PDL", False), (model_runner, "PDL", False)]
+    with contextlib.ExitStack() as stack:
+        for module, name, value in switches:
+            stack.enter_context(mock.patch.object(module, name, value))
+        if args.no_pdl:
+            # dynamo's cache is per code object: without a reset the compiled steps of an
+            # earlier run (same functions, guards pass) would be reused, and later runs would
+            # reuse these
             torch._dynamo.reset()
-    if args.blas == "default" or device.type != "cuda":
+            stack.callback(torch._dynamo.reset)
+        if args.blas != "default" and device.type == "cuda":
+            # process-wide: restored after the run
+            stack.callback(torch.backends.cuda.preferred_blas_library,
+                           torch.backends.cuda.preferred_blas_library())
+            torch.backends.cuda.preferred_blas_library(args.blas)
         return _bench_engine(model, prompts, args, device)
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(args.blas)   # process-wide: restored below
-    try:
-        return _bench_engine(model, prompts, args, device)
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def build_engine(model, args) -> tuple[Engine, SamplingParams]:
