@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe attnprobe timeline code reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl).
@@ -54,6 +54,7 @@ for p in $parts; do case $p in
   probe_quick) run probe python3 bench/probes/decode_step.py --attention-only ;;
   gemmprobe) run gemm_forms python3 bench/probes/gemm_forms.py ;;
   swigluprobe) run swiglu_down python3 bench/probes/swiglu_down.py ;;
+  smallgemm) run small_gemm python3 bench/probes/small_gemm.py ;;
   probe)   run probe python3 bench/probes/decode_step.py
            ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
            [ -n "$ncu" ] && timeout 240 "$ncu" --clock-control none -k 'regex:_split_kernel|nvjet|splitK' -c 24 \

@@ -82,6 +82,8 @@ def bench_engine(model, prompts, args, device) -> dict:
                      (da, "LAUNCH", dict(num_warps=warps, num_stages=stages))]
     if args.no_pdl:               # no programmatic dependent launch
         switches += [(da, "PDL", False), (model_runner, "PDL", False)]
+    if args.no_prefetch:          # the decode attention asks nothing into L2 before its wait
+        switches.append((da, "PREFETCH_KEYS", 0))
     with contextlib.ExitStack() as stack:
         for module, name, value in switches:
             stack.enter_context(mock.patch.object(module, name, value))
@@ -272,6 +274,9 @@ def parse_args(argv=None):
                     help="no programmatic dependent launch (default on Hopper+: inductor's "
                          "kernels and the fused decode attention may start while the kernel "
                          "before them drains)")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="the fused decode attention under PDL does not prefetch the first "
+                         "cached K/V tiles into L2 before its device wait")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -287,8 +292,8 @@ def parse_args(argv=None):
                          "prefill_cpp_wrapper (the compiled prefill launched from C++), "
                          "prefill_varlen / prefill_dense (--prefill-attention), "
                          "decode_launch_env (--decode-launch $DECODE_LAUNCH), kv_write_torch "
-                         "(--kv-write torch), no_pdl (--no-pdl); '+' "
-                         "combines them (triton+compile)")
+                         "(--kv-write torch), no_pdl (--no-pdl), no_prefetch (--no-prefetch); "
+                         "'+' combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
     ap.add_argument("--out", default=None,
@@ -359,7 +364,8 @@ def main(argv=None) -> None:
              "prefill_varlen": {"prefill_attention": "varlen"},
              "prefill_dense": {"prefill_attention": "dense"},
              "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")},
-             "kv_write_torch": {"kv_write": "torch"}, "no_pdl": {"no_pdl": True}}
+             "kv_write_torch": {"kv_write": "torch"}, "no_pdl": {"no_pdl": True},
+             "no_prefetch": {"no_prefetch": True}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

@@ -11,8 +11,8 @@ K/V straight from the qkv projection, applies RoPE to q and k_new, writes k_new 
 slot's position and counts that token from registers while it reads the cached prefix (on an
 H200 it replaced a RoPE and a cache-write kernel per layer: 1.5 + 1.4 µs, bench/RESULTS.md).
 On Hopper and later it is launched with programmatic dependent launch: its programs start
-while the qkv projection drains, read the slots and positions, and wait on the device for
-the projection's output (PDL below).
+while the qkv projection drains, read the slots and positions, ask L2 for the first tiles
+of their cached K/V, and wait on the device for the projection's output (PDL below).
 
 Why a kernel of our own: on an H200 at batch 256 and ~640 cached tokens (Qwen2.5-0.5B shape,
 h_q 14, h_kv 2, d 64), flash-attention's varlen kernel spent ~49 µs per layer per decode step,
@@ -51,6 +51,8 @@ MIN_GROUP_ROWS = 16          # tl.dot needs at least 16 rows: the G query heads 
 # programmatic dependent launch of the fused form (Hopper+; see _split_kernel); a module switch
 # for benchmarks
 PDL = True
+# cached keys per program (K and V each) asked into L2 before the PDL wait; 0: none
+PREFETCH_KEYS = 128
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -67,12 +69,22 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
+    def _prefetch_l2(row, pos, last, stride_t):
+        """Asks L2 for the first 128-byte line of one head's cached row at each position in
+        pos (the whole row at d = 64 in 16-bit types), holding no register for the data;
+        positions past `last` ask for position 0's. PTX: CUDA only, not the interpreter."""
+        ptr = row + tl.where(pos <= last, pos, 0).to(tl.int64) * stride_t
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _split_kernel(Q, K, V, Slots, Lens, Out, Lse, KNew, VNew, Cos, Sin, sm_scale, max_len,
                       stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
                       stride_nb, stride_nh, stride_cb,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      NEW_TOKEN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      NEW_TOKEN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                      PREFETCH_KEYS: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
@@ -88,8 +100,15 @@ if triton is not None:
         if PDL:
             # Launched programmatically: this program may run while the kernel before it (the
             # qkv projection, or a kernel of its epilogue) drains. Only state written before
-            # this decode step began is read above (the row's slot, the slot's position);
-            # everything computed in the step (q, k_new, v_new, the RoPE tables) waits.
+            # this decode step began is read above (the row's slot, the slot's position) and
+            # prefetched (the cached prefix); everything computed in the step (q, k_new, v_new,
+            # the RoPE tables) waits.
+            if PREFETCH_KEYS > 0:
+                first = s * SPLIT_LEN + tl.arange(0, PREFETCH_KEYS)
+                last = tl.minimum(seqlen - 2 if NEW_TOKEN else seqlen - 1,
+                                  (s + 1) * SPLIT_LEN - 1)
+                _prefetch_l2(K + slot * stride_ks + j * stride_kh, first, last, stride_kt)
+                _prefetch_l2(V + slot * stride_ks + j * stride_kh, first, last, stride_kt)
             tl.extra.cuda.gdc_wait()
         if NEW_TOKEN:
             swap = (dd + HEAD_DIM // 2) % HEAD_DIM
@@ -227,6 +246,7 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
         BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=new is not None,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        PREFETCH_KEYS=PREFETCH_KEYS,
         **LAUNCH, **({"launch_pdl": True} if pdl else {}))
     if splits > 1:
         _merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
