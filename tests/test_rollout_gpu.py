@@ -186,7 +186,9 @@ def test_programmatic_dependent_launch_changes_no_result():
         torch._dynamo.reset()       # the compiled steps are cached per function
         da.PDL = model_runner.PDL = pdl
         try:
-            assert bool(model_runner._inductor_options(CUDA)) == pdl
+            for decode in (True, False):
+                options = model_runner._inductor_options(CUDA, decode)
+                assert options.get("triton.enable_pdl", False) == pdl
             engine = Engine(model, max_num_seqs=64, max_model_len=96, max_prefill_tokens=1024,
                             kv_cache_tokens=65 * 96, compile=True, compile_prefill=True)
             runs.append(engine.generate(prompts, params))

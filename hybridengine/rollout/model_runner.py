@@ -47,13 +47,18 @@ DENSE_MAX_PADDING = 1.5
 PDL = True
 
 
-def _inductor_options(device: torch.device) -> dict:
+def _inductor_options(device: torch.device, decode: bool) -> dict:
     """Inductor options of the rollout's compiled steps: PDL where torch has it (2.11+) and the
-    GPU supports it."""
+    GPU supports it. The decode step's pointwise kernels take inductor's first launch setting
+    instead of the faster of two timed once at compile time: for the SwiGLU kernel the timing
+    picked either, and in the captured step one took 15 and the other 19 ms per generate
+    (23 under PDL; H200, bench/RESULTS.md 2026-11-30 session 8), so the rollout's speed
+    changed from one process to the next."""
     from torch._inductor import config
+    options = {"triton.autotune_pointwise": False} if decode else {}
     if PDL and hasattr(config.triton, "enable_pdl") and pdl_supported(device):
-        return {"triton.enable_pdl": True}
-    return {}
+        options["triton.enable_pdl"] = True
+    return options
 
 
 def graph_buckets(max_rows: int) -> list[int]:
@@ -115,12 +120,11 @@ class ModelRunner:
         # (78.9k against 82.4k generated tok/s, 93 s of warm-up against 55 s).
         self._decode_body, self.compiled = self._decode_hidden, bool(compile)
         self._uniforms, self._commit_rows = uniforms, self._commit
-        options = _inductor_options(self.device)
         if compile:
             how = {"mode": "max-autotune-no-cudagraphs"} if compile == "max-autotune" else \
                 {"backend": compile if isinstance(compile, str) else "inductor"}
-            if how.get("backend") == "inductor" and options:
-                how["options"] = options
+            if how.get("backend") == "inductor":
+                how["options"] = _inductor_options(self.device, decode=True)
             self._decode_body = torch.compile(self._decode_hidden, **how)
             self._uniforms = torch.compile(uniforms, dynamic=True, **how)
             self._commit_rows = torch.compile(self._commit, dynamic=True, **how)
@@ -130,6 +134,7 @@ class ModelRunner:
         # variant; on an H200 it gained nothing measurable: prefill 0.241 against 0.243 s, with
         # 110 against 60 s of warm-up; bench/RESULTS.md 2026-11-30 session 6, call 1).
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
+        options = _inductor_options(self.device, decode=False)
         if compile_prefill == "cpp-wrapper":
             self._prefill_body = torch.compile(self._prefill_hidden, dynamic=True,
                                                options={"cpp_wrapper": True, **options})
