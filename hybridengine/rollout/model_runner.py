@@ -50,10 +50,10 @@ PDL = True
 def _inductor_options(device: torch.device, decode: bool) -> dict:
     """Inductor options of the rollout's compiled steps: PDL where torch has it (2.11+) and the
     GPU supports it. The decode step's pointwise kernels take inductor's first launch setting
-    instead of the faster of two timed once at compile time: for the SwiGLU kernel the timing
-    picked either, and in the captured step one took 15 and the other 19 ms per generate
-    (23 under PDL; H200, bench/RESULTS.md 2026-11-30 session 8), so the rollout's speed
-    changed from one process to the next."""
+    instead of the fastest of those it times once at compile time: for the SwiGLU kernel that
+    timing picked either of two, and in the captured step one took 15 and the other 19 ms per
+    generate (23 under PDL; H200, bench/RESULTS.md 2026-11-30 session 8), so the rollout's
+    speed changed from one process to the next."""
     from torch._inductor import config
     options = {"triton.autotune_pointwise": False} if decode else {}
     if PDL and hasattr(config.triton, "enable_pdl") and pdl_supported(device):
