@@ -51,7 +51,8 @@ MIN_GROUP_ROWS = 16          # tl.dot needs at least 16 rows: the G query heads 
 # programmatic dependent launch of the fused form (Hopper+; see _split_kernel); a module switch
 # for benchmarks
 PDL = True
-# cached keys per program (K and V each) asked into L2 before the PDL wait; 0: none
+# cached keys per program (K and V each; a power of two) asked into L2 before the PDL wait;
+# 0: none
 PREFETCH_KEYS = 128
 
 
