@@ -98,6 +98,13 @@ if triton is not None:
         dd = tl.arange(0, HEAD_DIM)
         heads = j * GROUP + g
         g_ok = g < GROUP
+        k_row = K + slot * stride_ks + j * stride_kh            # V has K's strides
+        v_row = V + slot * stride_ks + j * stride_kh
+        # this split's cached keys [start, stop): with NEW_TOKEN the last position is the new
+        # token's, counted from registers below
+        end = seqlen - 1 if NEW_TOKEN else seqlen
+        start = s * SPLIT_LEN
+        stop = tl.minimum(start + SPLIT_LEN, end)
         if PDL:
             # Launched programmatically: this program may run while the kernel before it (the
             # qkv projection, or a kernel of its epilogue) drains. Only state written before
@@ -105,11 +112,9 @@ if triton is not None:
             # prefetched (the cached prefix); everything computed in the step (q, k_new, v_new,
             # the RoPE tables) waits.
             if PREFETCH_KEYS > 0:
-                first = s * SPLIT_LEN + tl.arange(0, PREFETCH_KEYS)
-                last = tl.minimum(seqlen - 2 if NEW_TOKEN else seqlen - 1,
-                                  (s + 1) * SPLIT_LEN - 1)
-                _prefetch_l2(K + slot * stride_ks + j * stride_kh, first, last, stride_kt)
-                _prefetch_l2(V + slot * stride_ks + j * stride_kh, first, last, stride_kt)
+                first = start + tl.arange(0, PREFETCH_KEYS)
+                _prefetch_l2(k_row, first, stop - 1, stride_kt)
+                _prefetch_l2(v_row, first, stop - 1, stride_kt)
             tl.extra.cuda.gdc_wait()
         if NEW_TOKEN:
             swap = (dd + HEAD_DIM // 2) % HEAD_DIM
@@ -120,8 +125,6 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        k_row = K + slot * stride_ks + j * stride_kh            # V has K's strides
-        v_row = V + slot * stride_ks + j * stride_kh
         if NEW_TOKEN:
             # Rotate-half RoPE of q and of the new key (x·cos + [x₂, x₁]·sin with the fp32
             # tables rounded to q's dtype first, as apply_rope does; one rounding at the end),
@@ -143,11 +146,6 @@ if triton is not None:
                 m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * sm_scale
                 l_i = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
-            end = seqlen - 1
-        else:
-            end = seqlen
-        start = s * SPLIT_LEN
-        stop = tl.minimum(start + SPLIT_LEN, end)
         for n0 in range(start, stop, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             p_ok = pos < stop
