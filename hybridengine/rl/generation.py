@@ -32,6 +32,8 @@ BACKENDS = ("builtin", "vllm")
 @dataclass
 class Generated:
     response_ids: list[list[int]]      # prompt-major: prompt i, sample j at i*n + j
+    # log-prob of each sampled token under the distribution it was drawn from (logits / T,
+    # top-k / top-p applied), what the trainer recomputes at T; greedy: T = 1
     logprobs: list[list[float]]
     finish_reasons: list[str]
     num_generated_tokens: int
@@ -119,14 +121,15 @@ class Generator:
                 engine.free_cache()
         finally:
             self.hybrid.to_training()
-        out = self._gather(results, len(prompts), params.n)
+        out = self._gather(results, len(prompts), params.n, sampled=not params.greedy)
         if self.actor.device.type == "cuda":
             torch.cuda.synchronize()
         out.seconds = time.perf_counter() - t0
         return out
 
-    def _gather(self, results, num_prompts, n) -> Generated:
-        """All-gather every replica's results; keep TP rank 0's copy of each replica's."""
+    def _gather(self, results, num_prompts, n, sampled: bool) -> Generated:
+        """All-gather every replica's results; keep TP rank 0's copy of each replica's.
+        sampled: report the sampling distribution's log-probs (else the T = 1 ones)."""
         width = max([len(r.token_ids) for r in results] + [1])
         if dist.is_initialized():
             w = torch.tensor([width], device=self.actor.device)
@@ -138,7 +141,8 @@ class Generator:
         for k, r in enumerate(results):
             ids[k, 0], ids[k, 1] = len(r.token_ids), 1.0 if r.finish_reason == "stop" else 0.0
             ids[k, 2:2 + len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.float64)
-            lps[k, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float64)
+            lp = r.sampled_logprobs if sampled else r.logprobs
+            lps[k, :len(lp)] = torch.tensor(lp, dtype=torch.float64)
         flat = torch.cat([ids, lps], dim=1).to(self.actor.device)
         world = dist.group.WORLD if dist.is_initialized() else None
         gathered = all_gather_dim0(flat, world).cpu() if world is not None else flat.cpu()

@@ -34,7 +34,9 @@ def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
         var_ret = torch.var(returns[valid])
         out["critic/vf_explained_var"] = (1.0 - torch.var(returns[valid] - values[valid])
                                           / (var_ret + 1e-5)).item()
-    if "rollout_logprob" in t and "old_logprob" in t:
+    # NaN: the backend does not report the sampling distribution's log-probs (vLLM at T != 1)
+    if "rollout_logprob" in t and "old_logprob" in t and \
+            not t["rollout_logprob"][valid].isnan().any():
         # How far the rollout engine's log-probs are from the trainer's (numerics, bf16 drift).
         diff = (t["rollout_logprob"] - t["old_logprob"]).abs()
         out["training/rollout_probs_diff_max"] = diff[valid].max().item() if valid.any() else 0.0

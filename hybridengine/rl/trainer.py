@@ -43,6 +43,14 @@ def _device(cfg) -> torch.device:
         else torch.device(want)
 
 
+def scoring_temperature(rollout_cfg) -> float:
+    """The temperature of the log-probs the trainer computes: the rollout's sampling temperature
+    (verl divides the logits by it in every actor and reference forward); 1 for greedy rollouts,
+    whose tokens have no temperature."""
+    t = float(rollout_cfg.temperature)
+    return t if rollout_cfg.do_sample and t > 0 else 1.0
+
+
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     # bf16 only where it is fast and intended: CPU runs (tests, the default job) stay fp32.
     return torch.float32 if device.type == "cpu" or name == "float32" else torch.bfloat16
@@ -92,9 +100,13 @@ class Trainer:
         a_meg = arr.actor.megatron
         dtype = _dtype(a_meg.param_dtype, self.device)
         compile_lm = bool(arr.actor.use_torch_compile)
+        # verl scores old / ref / current log-probs (and the entropy) at the rollout temperature,
+        # so the ratio and the KL are those of the policy that sampled
+        temperature = scoring_temperature(arr.rollout)
         actor_engine = TrainEngine(
             arr.model.path, self._mesh(lay.actor, meshes), dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
+            temperature=temperature,
             recompute=bool(arr.model.enable_gradient_checkpointing),
             optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps))
         self.actor = Actor(actor_engine, arr)
@@ -102,6 +114,7 @@ class Trainer:
         if uses_reference(cfg):
             ref_engine = TrainEngine(arr.model.path, self._mesh(lay.ref, meshes), dtype=dtype,
                                      device=self.device, compile_layers=compile_lm,
+                                     temperature=temperature,
                                      sequence_parallel=lay.ref.sequence_parallel)
             self.ref = Reference(ref_engine, arr.ref)
         self.critic = None
