@@ -37,7 +37,8 @@ def _agg_reference(loss, mask, mode, scale=None):
         return sum(sum(r) for r in rows) / len(rows)
     if mode == "seq-mean-token-mean":
         return sum(sum(r) / len(r) for r in rows) / len(rows)
-    return sum(sum(r) for r in rows) / len(rows) / (loss.shape[1] if scale is None else scale)
+    # Dr. GRPO (verl): the token sum over a constant (loss_scale_factor, default R), no sequence count
+    return sum(sum(r) for r in rows) / (loss.shape[1] if scale is None else scale)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -81,9 +82,13 @@ def test_micro_batch_losses_sum_to_full_batch(mode):
         total = total + chunk_loss.item()
     assert total == pytest.approx(full.item(), rel=1e-12)
     assert torch.allclose(chunk_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-15)
-    # a chunk without the global normaliser is a local mean: summing those would be wrong
+    # a chunk without the global normaliser is a local mean: summing those would be wrong; the
+    # Dr. GRPO mode has a constant divisor instead of a normaliser, so its chunks add up as they are
     local_sum = sum(losses.agg_loss(advantages[p], mask[p], mode).item() for p in parts)
-    assert local_sum != pytest.approx(losses.agg_loss(advantages, mask, mode).item())
+    if mode == "seq-mean-token-sum-norm":
+        assert local_sum == pytest.approx(losses.agg_loss(advantages, mask, mode).item(), rel=1e-12)
+    else:
+        assert local_sum != pytest.approx(losses.agg_loss(advantages, mask, mode).item())
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,8 +1,9 @@
-"""Rule rewards (gsm8k, math, keyword), the data_source registry, custom reward files, score_batch.
+"""Our lenient rule rewards (gsm8k_lenient, math_lenient) and keyword, the data_source routing,
+custom reward files, score_batch. verl's exact scorers: tests/test_rewards_verl.py.
 
 GSM8K strings are real: tests/fixtures/gsm8k_sample.jsonl holds rows 0-9, 345, 367, 462, 497,
 5715, 5844, 6189 of openai/grade-school-math train.jsonl (MIT, see fixtures/GSM8K_LICENSE).
-Expected values are written by hand from the verl semantics.
+Expected values are written by hand from our lenient semantics (a superset of verl's hits).
 """
 
 import json
@@ -14,8 +15,10 @@ import numpy as np
 import pytest
 
 from hybridengine.rl.rewards import (
-    DATA_SOURCES, RewardError, default_compute_score, extract_boxed_answer, extract_gsm8k_answer,
-    gsm8k_score, keyword_score, load_custom_reward, math_answers_equal, math_score, score_batch)
+    DATA_SOURCES, RewardError, default_compute_score, keyword_score, load_custom_reward, score_batch)
+from hybridengine.rl.rewards_lenient import (
+    extract_boxed_answer, extract_gsm8k_answer_lenient, gsm8k_lenient_score, math_answers_equal,
+    math_lenient_score)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MATH500 = Path("/work/shared/data/math500/test.jsonl")
@@ -35,28 +38,28 @@ def _body(answer: str) -> str:
 @pytest.mark.parametrize("row, final", list(zip(GSM8K_ROWS, GSM8K_FINALS)))
 def test_gsm8k_real_answers_score_one(row, final):
     number = final.replace(",", "")
-    assert extract_gsm8k_answer(row["answer"]) == number
-    assert gsm8k_score(row["answer"], number) == 1.0
-    assert gsm8k_score(row["answer"], final) == 1.0          # "1,080" ground truth
-    assert gsm8k_score(row["answer"], row["answer"]) == 1.0  # full answer as ground truth
+    assert extract_gsm8k_answer_lenient(row["answer"]) == number
+    assert gsm8k_lenient_score(row["answer"], number) == 1.0
+    assert gsm8k_lenient_score(row["answer"], final) == 1.0          # "1,080" ground truth
+    assert gsm8k_lenient_score(row["answer"], row["answer"]) == 1.0  # full answer as ground truth
     wrong = str(int(number) + 1)
-    assert gsm8k_score(row["answer"], wrong) == 0.0
-    assert gsm8k_score(row["answer"], wrong, format_score=0.1) == 0.1
+    assert gsm8k_lenient_score(row["answer"], wrong) == 0.0
+    assert gsm8k_lenient_score(row["answer"], wrong, format_score=0.1) == 0.1
 
 
 def test_gsm8k_missing_hashes_strict_vs_flexible():
     answer = GSM8K_ROWS[0]["answer"]  # "... = <<48+24=72>>72 clips altogether in April and May."
     body = _body(answer)
-    assert extract_gsm8k_answer(body, "strict") is None
-    assert gsm8k_score(body, "72") == 0.0
-    assert gsm8k_score(body, "72", format_score=0.1) == 0.0  # nothing extracted: not a format hit
-    assert extract_gsm8k_answer(body, "flexible") == "72"
-    assert gsm8k_score(body, "72", method="flexible") == 1.0
+    assert extract_gsm8k_answer_lenient(body, "strict") is None
+    assert gsm8k_lenient_score(body, "72") == 0.0
+    assert gsm8k_lenient_score(body, "72", format_score=0.1) == 0.0  # nothing extracted: not a format hit
+    assert extract_gsm8k_answer_lenient(body, "flexible") == "72"
+    assert gsm8k_lenient_score(body, "72", method="flexible") == 1.0
     # Row 1 ends "... she earned 0.2 x 50 = $<<0.2*50=10>>10." -> last number 10.
-    assert gsm8k_score(_body(GSM8K_ROWS[1]["answer"]), "10", method="flexible") == 1.0
-    assert extract_gsm8k_answer("I do not know, sorry.", "flexible") is None
+    assert gsm8k_lenient_score(_body(GSM8K_ROWS[1]["answer"]), "10", method="flexible") == 1.0
+    assert extract_gsm8k_answer_lenient("I do not know, sorry.", "flexible") is None
     with pytest.raises(ValueError, match="'strict' or 'flexible'"):
-        extract_gsm8k_answer("#### 1", "loose")
+        extract_gsm8k_answer_lenient("#### 1", "loose")
 
 
 @pytest.mark.parametrize("tail, truth, expected", [
@@ -76,14 +79,14 @@ def test_gsm8k_missing_hashes_strict_vs_flexible():
 ])
 def test_gsm8k_number_forms(tail, truth, expected):
     response = _body(GSM8K_ROWS[0]["answer"]) + "\n" + tail
-    assert gsm8k_score(response, truth) == expected
+    assert gsm8k_lenient_score(response, truth) == expected
 
 
 def test_gsm8k_last_hashes_wins():
     response = "First try: #### 5\nWait, recount: 48 + 24 = 72\n#### 72"
-    assert extract_gsm8k_answer(response) == "72"
-    assert gsm8k_score(response, "72") == 1.0
-    assert gsm8k_score("#### 72\nno, #### 5", "72", format_score=0.1) == 0.1
+    assert extract_gsm8k_answer_lenient(response) == "72"
+    assert gsm8k_lenient_score(response, "72") == 1.0
+    assert gsm8k_lenient_score("#### 72\nno, #### 5", "72", format_score=0.1) == 0.1
 
 
 # ----------------------------------------------------------------------------- math
@@ -97,7 +100,7 @@ def test_boxed_extraction():
     assert extract_boxed_answer(r"\boxed{\frac{1}{2}") is None  # unclosed
     assert extract_boxed_answer("no box here") is None
     assert extract_boxed_answer(r"\boxed\frac12") is None  # malformed model output: no answer
-    assert math_score(r"\boxed\frac{1}{2}", r"\frac12") == 0.0
+    assert math_lenient_score(r"\boxed\frac{1}{2}", r"\frac12") == 0.0
 
 
 @pytest.mark.parametrize("pred, truth", [
@@ -120,7 +123,7 @@ def test_boxed_extraction():
 ])
 def test_math_equivalent(pred, truth):
     assert math_answers_equal(pred, truth)
-    assert math_score(f"The answer is $\\boxed{{{pred}}}$.", truth) == 1.0
+    assert math_lenient_score(f"The answer is $\\boxed{{{pred}}}$.", truth) == 1.0
 
 
 @pytest.mark.parametrize("pred, truth", [
@@ -132,19 +135,19 @@ def test_math_equivalent(pred, truth):
 ])
 def test_math_not_equivalent(pred, truth):
     assert not math_answers_equal(pred, truth)
-    assert math_score(f"\\boxed{{{pred}}}", truth) == 0.0
+    assert math_lenient_score(f"\\boxed{{{pred}}}", truth) == 0.0
 
 
 def test_math_score_without_box_and_boxed_ground_truth():
-    assert math_score("The answer is 5.", "5") == 0.0
-    assert math_score(r"\boxed{5}", r"Thus the answer is $\boxed{5}$.") == 1.0
+    assert math_lenient_score("The answer is 5.", "5") == 0.0
+    assert math_lenient_score(r"\boxed{5}", r"Thus the answer is $\boxed{5}$.") == 1.0
 
 
 @pytest.mark.skipif(not MATH500.exists(), reason="MATH-500 not present")
 def test_math500_reference_solutions_score_one():
     rows = [json.loads(line) for line in MATH500.open()]
     assert len(rows) == 500
-    assert sum(math_score(r["solution"], r["answer"]) for r in rows) == 500.0
+    assert sum(math_lenient_score(r["solution"], r["answer"]) for r in rows) == 500.0
 
 
 # ----------------------------------------------------------------------------- keyword
@@ -163,13 +166,20 @@ def test_keyword_score():
 
 def test_registry_sources():
     gsm8k = GSM8K_ROWS[0]["answer"]
-    assert default_compute_score("openai/gsm8k", gsm8k, "72") == {"score": 1.0, "acc": 1.0}
-    assert default_compute_score("openai/gsm8k", gsm8k, "73") == {"score": 0.0, "acc": 0.0}
+    # verl's types: gsm8k and MATH give floats, math_dapo (data_source "math") a dict
+    assert default_compute_score("openai/gsm8k", gsm8k, "72") == 1.0
+    assert default_compute_score("openai/gsm8k", gsm8k, "73") == 0.0
     for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
-                   "HuggingFaceH4/MATH-500", "math"):
-        assert default_compute_score(source, r"\boxed{\dfrac12}", "0.5")["score"] == 1.0
+                   "HuggingFaceH4/MATH-500"):
+        assert default_compute_score(source, r"\boxed{\dfrac12}", "0.5") == 1.0
+    assert default_compute_score("math", r"\boxed{\dfrac12}", "0.5") == \
+        {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert default_compute_score("math_lenient", r"\boxed{\dfrac12}", "0.5") == \
+        {"score": 1.0, "acc": 1.0}
+    assert default_compute_score("gsm8k_lenient", gsm8k, "72.0") == {"score": 1.0, "acc": 1.0}
     assert default_compute_score("keyword", "a cat", ["cat", "dog"]) == {"score": 0.5, "acc": 0.0}
-    assert set(DATA_SOURCES.values()) == {"gsm8k", "math", "keyword"}
+    assert {"gsm8k", "math_boxed", "math_dapo", "keyword", "gsm8k_lenient", "math_lenient"} <= \
+        set(DATA_SOURCES.values())
 
 
 def test_registry_unknown_source():
@@ -231,7 +241,8 @@ def test_score_batch_default_mixed_sources():
     truths = ["1080", "7", "5", ["cat", "dog"]]
     scores, extras = score_batch(responses, sources, truths, [None] * 4)
     assert scores == [1.0, 0.0, 1.0, 0.5]
-    assert extras["acc"] == [1.0, 0.0, 1.0, 0.0]
+    # verl's gsm8k and MATH scorers return floats: no extras for those samples
+    assert extras == {"score": [None, None, None, 0.5], "acc": [None, None, None, 0.0]}
 
 
 def test_score_batch_checks():

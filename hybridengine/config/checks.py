@@ -50,6 +50,10 @@ class EngineLayout:
         return self.actor.tp * self.actor.pp // self.rollout_tp
 
 
+# estimators whose baseline is the other responses to the same prompt (rollout.n >= 2)
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg")
+
+
 def uses_critic(cfg: DictConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
@@ -129,7 +133,7 @@ def _check_algorithm(cfg: DictConfig) -> None:
         raise ValueError("actor_rollout_ref.model.path must be set (a Hugging Face model directory)")
     if uses_critic(cfg) and cfg.critic.model.path is None:
         raise ValueError("critic.model.path must be set when algorithm.adv_estimator=gae")
-    if algo.adv_estimator in ("grpo", "rloo") and n < 2:
+    if algo.adv_estimator in GROUP_ESTIMATORS and n < 2:
         raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a "
                          f"prompt: set {_R}n >= 2 (got {n})")
     if algo.filter_groups.enable and n < 2:
@@ -187,10 +191,48 @@ def _check_forward_batches(cfg: DictConfig, layout: EngineLayout) -> None:
             raise ValueError(f"{stem}_micro_batch_size_per_gpu must be set when {dynamic_key}=false")
 
 
+# actor.policy_loss.loss_mode and rollout_correction.rollout_is: the registries of rl.losses and
+# rl.rollout_correction (tests/test_losses_verl.py keeps them equal; config does not import torch)
+POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+_RC = "algorithm.rollout_correction."
+
+
+def _check_policy_loss(cfg: DictConfig) -> None:
+    """actor.policy_loss, actor.loss_scale_factor and algorithm.rollout_correction (verl's keys;
+    rejection sampling and bypass mode are accepted only at their neutral values)."""
+    actor, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
+    pl = actor.policy_loss
+    if pl.loss_mode not in POLICY_LOSS_MODES:
+        raise ValueError(f"{_A}policy_loss.loss_mode={pl.loss_mode!r}: choose one of "
+                         f"{', '.join(POLICY_LOSS_MODES)}")
+    if rc.rollout_is is not None and rc.rollout_is not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"{_RC}rollout_is={rc.rollout_is!r}: choose one of "
+                         f"{', '.join(ROLLOUT_IS_LEVELS)} or null")
+    for key, value in ((_A + "loss_scale_factor", actor.loss_scale_factor),
+                       (_A + "policy_loss.clip_cov_ratio", pl.clip_cov_ratio),
+                       (_A + "policy_loss.kl_cov_ratio", pl.kl_cov_ratio),
+                       (_RC + "rollout_is_threshold", rc.rollout_is_threshold)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{key}={value} must be > 0")
+    if pl.ppo_kl_coef < 0:
+        raise ValueError(f"{_A}policy_loss.ppo_kl_coef={pl.ppo_kl_coef} must be >= 0")
+    if not pl.clip_cov_lb < pl.clip_cov_ub:
+        raise ValueError(f"{_A}policy_loss.clip_cov_lb={pl.clip_cov_lb} must be < "
+                         f"clip_cov_ub={pl.clip_cov_ub}")
+    if rc.rollout_rs is not None:
+        raise ValueError(f"{_RC}rollout_rs={rc.rollout_rs!r}: rejection sampling is not supported "
+                         f"(null only)")
+    if rc.bypass_mode or rc.loss_type != "ppo_clip":
+        raise ValueError(f"{_RC}bypass_mode={rc.bypass_mode}, loss_type={rc.loss_type!r}: bypass "
+                         f"mode is not supported (bypass_mode=false, loss_type=ppo_clip only)")
+
+
 def validate_config(cfg: DictConfig, world_size: int) -> EngineLayout:
     """Ranges and cross-field checks (one-line ValueError naming the fields); returns the layout."""
     _check_ranges(cfg)
     _check_algorithm(cfg)
+    _check_policy_loss(cfg)
     trainer = cfg.trainer
     if trainer.n_gpus_per_node is not None and trainer.nnodes * trainer.n_gpus_per_node != world_size:
         raise ValueError(f"trainer.nnodes * trainer.n_gpus_per_node = {trainer.nnodes}*"

@@ -34,6 +34,10 @@ _A, _R, _F = ACTOR, ROLLOUT, REF
 SPECS: dict[str, tuple[str, bool]] = {
     "data.train_files": ("files", False),
     "data.val_files": ("files", True),
+    "custom_reward_function.weights": ("dict[str,float]", True),
+    _A + "loss_scale_factor": ("float", True),
+    **dict.fromkeys(("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_rs",
+                     "algorithm.rollout_correction.rollout_rs_threshold"), ("str", True)),
     **dict.fromkeys(("actor_rollout_ref.model.path", "critic.model.path", "custom_reward_function.path",
                      "trainer.resume_from_path"), ("str", True)),
     **dict.fromkeys((_A + "optim.min_lr_ratio", "critic.optim.min_lr_ratio",
@@ -63,7 +67,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     _R + "attn_backend": ("auto", "triton", "flash", "flash_per_head", "sdpa"),
     _R + "prefill_attention": ("auto", "varlen", "dense"),
     "reward_model.reward_manager": ("naive", "dapo"),
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                "remax", "opo", "grpo_passk", "gpg"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
@@ -108,7 +113,9 @@ NEUTRAL_ONLY = {"ulysses_sequence_parallel_size": 1, "context_parallel_size": 1,
 
 _KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a string",
                "list[str]": "a list of strings", "list[float]": "a list of numbers",
-               "files": "a path or a list of paths"}
+               "files": "a path or a list of paths", "dict[str,float]": "a mapping of names to numbers"}
+# Keys whose value is a mapping with free keys: one leaf, not a config section.
+MAPPING_KEYS = frozenset(k for k, (kind, _) in SPECS.items() if kind.startswith("dict["))
 
 
 # ----------------------------------------------------------------------------- loading
@@ -181,7 +188,7 @@ def _load_yaml(file: Path) -> dict:
 def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(dotted leaf key, value) pairs; an empty mapping counts as a leaf."""
     for name, value in tree.items():
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict) and value and prefix + str(name) not in MAPPING_KEYS:
             yield from _flat(value, f"{prefix}{name}.")
         else:
             yield prefix + str(name), value
@@ -270,6 +277,10 @@ def _coerce(value: Any, kind: str) -> Any:
     if kind == "files":
         ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
         return value if ok else None
+    if kind == "dict[str,float]":
+        ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, (int, float))
+                                             and not isinstance(v, bool) for k, v in value.items())
+        return {k: float(v) for k, v in value.items()} if ok else None
     return None
 
 

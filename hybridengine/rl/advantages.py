@@ -11,12 +11,16 @@ difference: verl leaves arbitrary values at masked positions; we zero them.
 
 Estimators run on the whole batch, identically on every rank: group statistics (GRPO, RLOO) and
 whitening (GAE, REINFORCE++) are batch-global, so computing them on a DP shard would change them.
+ReMax, OPO, GRPO pass@k and GPG live in ``advantages_more`` (a leaf module; registered below).
 """
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from hybridengine.rl.advantages_more import (compute_gpg_outcome_advantage, compute_grpo_passk_outcome_advantage,
+                                             compute_opo_outcome_advantage, compute_remax_outcome_advantage)
 
 Tensor = torch.Tensor
 
@@ -182,6 +186,19 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, torch.where(valid, returns, zeros)
 
 
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, group_index: Sequence[Hashable] | Tensor
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline (arXiv:2501.03262): score minus its group's mean score (a group of one
+    keeps its score), i.e. Dr. GRPO's advantage, whitened over the batch's response tokens.
+    Returns (adv, adv)."""
+    centred, _ = compute_grpo_outcome_advantage(token_level_rewards, response_mask, group_index,
+                                                norm_adv_by_std_in_grpo=False)
+    advantages = torch.where(response_mask.bool(), masked_whiten(centred, response_mask), torch.zeros_like(centred))
+    return advantages, advantages
+
+
 # ----------------------------------------------------------------------------- registry
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
@@ -193,7 +210,7 @@ def register_adv_estimator(name: str, uses_critic: bool = False) -> Callable[[Ad
     """Register ``fn(token_level_rewards, response_mask, **inputs) -> (advantages, returns)``.
 
     ``inputs`` is always the full keyword set (values, group_index, gamma, lam, epsilon,
-    norm_adv_by_std_in_grpo); an estimator takes what it needs and ignores the rest.
+    norm_adv_by_std_in_grpo, reward_baselines); an estimator takes what it needs, ignores the rest.
     """
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
@@ -251,6 +268,45 @@ def _rloo(token_level_rewards, response_mask, *, group_index=None, **_):
 @register_adv_estimator("reinforce_plus_plus")
 def _reinforce_plus_plus(token_level_rewards, response_mask, *, gamma=1.0, **_):
     return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def _reinforce_plus_plus_baseline(token_level_rewards, response_mask, *, group_index=None, **_):
+    group_index = _required(group_index, "group_index", "reinforce_plus_plus_baseline")
+    return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, group_index)
+
+
+@register_adv_estimator("remax")
+def _remax(token_level_rewards, response_mask, *, reward_baselines=None, **_):
+    reward_baselines = _required(reward_baselines, "reward_baselines (greedy responses' scores)", "remax")
+    return compute_remax_outcome_advantage(token_level_rewards, response_mask, reward_baselines)
+
+
+def _group_ids(group_index: Any, estimator: str, batch_size: int) -> Tensor:
+    """``group_index`` (uids) as the [B] int64 ids 0..G-1 that advantages_more's estimators take."""
+    return _group_inverse(_required(group_index, "group_index", estimator), batch_size)[0]
+
+
+@register_adv_estimator("opo")
+def _opo(token_level_rewards, response_mask, *, group_index=None, **_):
+    ids = _group_ids(group_index, "opo", token_level_rewards.shape[0])
+    return compute_opo_outcome_advantage(token_level_rewards, response_mask, ids)
+
+
+@register_adv_estimator("grpo_passk")
+def _grpo_passk(
+    token_level_rewards, response_mask, *, group_index=None, epsilon=1e-6, norm_adv_by_std_in_grpo=True, **_
+):
+    ids = _group_ids(group_index, "grpo_passk", token_level_rewards.shape[0])
+    return compute_grpo_passk_outcome_advantage(
+        token_level_rewards, response_mask, ids, epsilon, norm_adv_by_std_in_grpo
+    )
+
+
+@register_adv_estimator("gpg")
+def _gpg(token_level_rewards, response_mask, *, group_index=None, **_):
+    ids = _group_ids(group_index, "gpg", token_level_rewards.shape[0])
+    return compute_gpg_outcome_advantage(token_level_rewards, response_mask, ids)
 
 
 # ----------------------------------------------------------------------------- KL

@@ -13,8 +13,8 @@ from omegaconf import DictConfig
 from hybridengine.engine import OptimConfig, TrainEngine
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
-from hybridengine.rl.losses import compute_entropy_loss, compute_kl_loss, compute_policy_loss, \
-    compute_value_loss, loss_normalizer
+from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_entropy_loss, \
+    compute_kl_loss, compute_value_loss, get_policy_loss_fn
 
 
 def optim_config(optim: DictConfig, megatron: DictConfig, grad_clip: float,
@@ -28,8 +28,21 @@ def optim_config(optim: DictConfig, megatron: DictConfig, grad_clip: float,
                        use_distributed_optimizer=megatron.get("use_distributed_optimizer", True))
 
 
+def policy_loss_config(actor: DictConfig) -> PolicyLossConfig:
+    """actor.clip_ratio_{low,high} (null: clip_ratio), clip_ratio_c and actor.policy_loss.*."""
+    pick = lambda v: actor.clip_ratio if v is None else v      # noqa: E731
+    p = actor.policy_loss
+    return PolicyLossConfig(p.loss_mode, pick(actor.clip_ratio_low), pick(actor.clip_ratio_high),
+                            actor.clip_ratio_c, p.clip_cov_ratio, p.clip_cov_lb, p.clip_cov_ub,
+                            p.kl_cov_ratio, p.ppo_kl_coef)
+
+
 class Role:
     """Scoring (forward-only) shared by all roles."""
+
+    # seq-mean-token-sum-norm's divisor, one constant for every micro-batch; None: the response
+    # width, data.max_response_length (Batch.max_response_length)
+    loss_scale_factor: float | None = None
 
     def __init__(self, engine: TrainEngine, micro_batch_size, max_tokens, use_dynamic_bsz):
         self.engine, self.mesh = engine, engine.mesh
@@ -76,9 +89,11 @@ class Role:
             mini = batch.select(idx)
             plan = self._plan(mini, micro)
             mbs = self._microbatches(mini, plan[self.mesh.dp_rank], fields)
-            normalizer = loss_normalizer(mini.response_mask, self.loss_agg_mode)
+            scale_factor = mini.max_response_length if self.loss_scale_factor is None \
+                else self.loss_scale_factor
+            info = GlobalBatchInfo.of(mini.response_mask, scale_factor)
             scale = len(mbs) * self.mesh.dp      # metrics: mean over (mb, dp) x scale = sum
-            all_metrics.append(self.engine.train_step(mbs, loss_builder(normalizer, scale)))
+            all_metrics.append(self.engine.train_step(mbs, loss_builder(info, scale)))
         keys = all_metrics[0].keys()
         return {k: sum(m[k] for m in all_metrics) / len(all_metrics) for k in keys}
 
@@ -89,37 +104,39 @@ class Actor(Role):
         super().__init__(engine, r.log_prob_micro_batch_size_per_gpu,
                          r.log_prob_max_token_len_per_gpu, r.log_prob_use_dynamic_bsz)
         self.cfg, self.loss_agg_mode = a, a.loss_agg_mode
+        self.loss_scale_factor = a.loss_scale_factor
+        self.policy_loss = policy_loss_config(a)
+        self.policy_loss_fn = get_policy_loss_fn(self.policy_loss.loss_mode)
 
     def update(self, batch: Batch, n: int, seed: int) -> dict:
         a = self.cfg
-        fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ())
+        fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ()) \
+            + (("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
         micro = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz)
+        # clip_cov's random token subset: seeded by the step, drawn in the same order on every
+        # TP rank of a replica (the same micro-batches, the same log-probs)
+        generator = torch.Generator().manual_seed(seed)
         m = self._update(batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro,
-                         fields, self._loss)
+                         fields, lambda info, scale: self._loss(info, scale, generator))
         return {f"actor/{k}": v for k, v in m.items()}
 
-    def _loss(self, normalizer: int, scale: int):
-        a = self.cfg
+    def _loss(self, info: GlobalBatchInfo, scale: int, generator: torch.Generator):
+        a, mode = self.cfg, self.loss_agg_mode
+        agg = (info.normalizer(mode), info.loss_scale_factor)
 
         def loss_fn(out, mb):
             t, mask = mb.tensors, mb.tensors["resp_mask"]
             logp, ent = out["logprob"][t["resp_idx"]], out["entropy"][t["resp_idx"]]
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                t["old_logprob"], logp, t["advantages"], mask,
-                clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
-                clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None
-                else a.clip_ratio,
-                clip_ratio_c=a.clip_ratio_c, loss_agg_mode=self.loss_agg_mode,
-                global_normalizer=normalizer)
-            ent_loss = compute_entropy_loss(ent, mask, self.loss_agg_mode,
-                                            global_normalizer=normalizer)
+            # metrics: verl's names less "actor/" (update() adds it); per mode, see rl.losses
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                t["old_logprob"], logp, t["advantages"], mask, mode, self.policy_loss, info,
+                rollout_is_weights=t.get("rollout_is_weights"), generator=generator)
+            ent_loss = compute_entropy_loss(ent, mask, mode, *agg)
             loss = pg_loss - a.entropy_coeff * ent_loss
-            metrics = {"pg_loss": pg_loss.detach() * scale, "pg_clipfrac": clipfrac,
-                       "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower,
+            metrics = {"pg_loss": pg_loss.detach() * scale, **pg_metrics,
                        "entropy": ent_loss.detach() * scale}
             if a.use_kl_loss:
-                kl = compute_kl_loss(logp, t["ref_logprob"], mask, a.kl_loss_type,
-                                     self.loss_agg_mode, global_normalizer=normalizer)
+                kl = compute_kl_loss(logp, t["ref_logprob"], mask, a.kl_loss_type, mode, *agg)
                 loss = loss + a.kl_loss_coef * kl
                 metrics.update(kl_loss=kl.detach() * scale, kl_coef=a.kl_loss_coef)
             return loss, metrics
@@ -139,13 +156,13 @@ class Critic(Role):
                          ("values", "returns"), self._loss)
         return {f"critic/{k}": v for k, v in m.items()}
 
-    def _loss(self, normalizer: int, scale: int):
+    def _loss(self, info: GlobalBatchInfo, scale: int):
         def loss_fn(out, mb):
             t, mask = mb.tensors, mb.tensors["resp_mask"]
             vpreds = out["values"][t["resp_idx"]]
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds, t["returns"], t["values"], mask, self.cfg.cliprange_value,
-                self.loss_agg_mode, global_normalizer=normalizer)
+                self.loss_agg_mode, info.normalizer(self.loss_agg_mode), info.loss_scale_factor)
             return vf_loss, {"vf_loss": vf_loss.detach() * scale, "vf_clipfrac": vf_clipfrac}
         return loss_fn
 

@@ -7,6 +7,7 @@ deterministic), so no scores travel between ranks.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -59,8 +60,9 @@ class RolloutCollector:
 
     def _score(self, batch: Batch) -> dict[str, list]:
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        prompts = self.tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
         scores, extras = score_batch(texts, batch.data_source, batch.ground_truth,
-                                     batch.extra_info, fn=self.reward_fn)
+                                     batch.extra_info, fn=self.reward_fn, prompts=prompts)
         scores = torch.tensor(scores, dtype=torch.float32)
         rm = self.cfg.reward_model
         if rm.reward_manager == "dapo" and rm.overlong_buffer.enable:
@@ -74,24 +76,41 @@ class RolloutCollector:
         extras["seq_reward"] = scores.tolist()
         return extras
 
+    def greedy_baselines(self, items: list[dict], batch: Batch, params: SamplingParams) -> torch.Tensor:
+        """ReMax's reward_baselines: the score of one greedy response per prompt of `items`
+        (same generator, same reward path as the samples), [B] aligned with `batch` (whose group
+        is the prompt's index in `items`: each prompt's n samples share its baseline)."""
+        greedy = replace(params, n=1, temperature=0.0, top_p=1.0, top_k=-1)
+        base, _ = self._generate(items, greedy)
+        self._score(base)
+        scores = base.tensors["token_level_scores"].sum(-1)          # [num prompts]
+        return scores[torch.tensor(batch.group, dtype=torch.long)]
+
     def collect(self, indices: list[int], next_batch, step: int, dataset):
         """Generate and score train_batch_size prompts' responses. With DAPO's filter_groups,
         keep generating from the next batches until train_batch_size informative groups are
         kept (or max_num_gen_batches rounds ran). Returns (Batch | None, metrics)."""
         rk, fg = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.filter_groups
         kept, num_groups, rounds, metrics, t_reward = [], 0, 0, {}, 0.0
-        need = self.cfg.data.train_batch_size
+        need, t_gen_max = self.cfg.data.train_batch_size, 0.0
         while indices is not None:
             rounds += 1
             params = self.sampling(rk, seed=self.cfg.trainer.seed * 1_000_003 + step * 997 + rounds)
-            batch, metrics = self._generate([dataset[i] for i in indices], params)
+            items = [dataset[i] for i in indices]
+            batch, metrics = self._generate(items, params)
             t0 = time.perf_counter()
             extras = self._score(batch)
             t_reward += time.perf_counter() - t0
+            if self.cfg.algorithm.adv_estimator == "remax":    # before filtering: select() keeps it
+                t0 = time.perf_counter()
+                batch.tensors["reward_baselines"] = self.greedy_baselines(items, batch, params)
+                t_gen_max += time.perf_counter() - t0
             if not fg.enable:
                 kept, num_groups = [batch], need
                 break
-            metric = extras[fg.metric] if fg.metric in extras else extras["seq_reward"]
+            # a source whose reward lacks the metric (verl's gsm8k has no "acc") uses its reward
+            metric = [m if m is not None else r for m, r in
+                      zip(extras.get(fg.metric, extras["seq_reward"]), extras["seq_reward"])]
             keep = dynamic_sampling_keep_mask(batch.group, metric)
             idx = keep.nonzero().squeeze(-1).tolist()
             if idx:
@@ -104,6 +123,8 @@ class RolloutCollector:
                 break
             indices = next_batch()
         metrics.update({"timing_s/reward": t_reward, "train/num_gen_batches": rounds})
+        if t_gen_max:
+            metrics["timing_s/gen_max"] = t_gen_max
         if not kept:
             return None, metrics
         batch = Batch.concat(kept)

@@ -28,10 +28,11 @@ from hybridengine.rl.generation import Generator
 from hybridengine.rl.guards import Phases, SaveError, count_skipped_updates, inject_faults
 from hybridengine.rl.metrics import batch_metrics, step_flops
 from hybridengine.rl.residency import Residency, offload_parts
-from hybridengine.rl.rewards import load_custom_reward
+from hybridengine.rl.rewards import build_reward
 from hybridengine.rl.flops import peak_flops
 from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
 from hybridengine.rl.rollout import RolloutCollector
+from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
 from hybridengine.rl.tracking import Tracker, timer
 
 
@@ -66,7 +67,7 @@ class Trainer:
         model = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model.path, bool(model.get("trust_remote_code", False)))
         crf = cfg.custom_reward_function   # before the models: a wrong path fails in a second
-        self.reward_fn = load_custom_reward(crf.path, crf.name) if crf.path else None
+        self.reward_fn = build_reward(crf.path, crf.name, crf.weights)
         self._build_data()
         self.total_steps = cfg.trainer.total_training_steps or len(self.sampler)
         with self.phases.enter("setup"):
@@ -162,7 +163,10 @@ class Trainer:
                         **self.residency.pop_metrics()}
             self._score(batch, timings, sync)
             with phase("adv", timings, sync):
-                kl_metrics = self._advantages(batch)
+                # pi_old / pi_rollout importance weights on the whole batch (verl: same phase)
+                corr_metrics = apply_rollout_correction(batch, RolloutCorrectionConfig.from_config(
+                    self.cfg.algorithm.rollout_correction))
+                kl_metrics = {**self._advantages(batch), **corr_metrics}
             out = {}
             if self.critic is not None:
                 with phase("update_critic", timings, sync):
@@ -230,7 +234,8 @@ class Trainer:
             t["token_level_rewards"] = t["token_level_scores"]
         adv, ret = get_adv_estimator(alg.adv_estimator)(
             t["token_level_rewards"], mask, values=t.get("values"), group_index=batch.group,
-            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            reward_baselines=t.get("reward_baselines"))
         t["advantages"], t["returns"] = adv, ret
         return metrics
 

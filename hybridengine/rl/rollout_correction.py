@@ -1,0 +1,165 @@
+"""Rollout-vs-training importance sampling (verl's algorithm.rollout_correction, decoupled mode).
+
+The rollout engine samples from pi_rollout (its own kernels, precision and batching) and reports
+each sampled token's log-prob under it (batch.tensors["rollout_logprob"], rl.rollout); PPO's
+ratio is taken against pi_old, the trainer's recomputation (old_logprob). The importance weight
+pi_old / pi_rollout corrects the policy gradient for that mismatch, truncated from above (TIS):
+
+    token     w_it = min(exp(clamp(d_it, -20, 20)), threshold)          d = log pi_old - log pi_rollout
+    sequence  w_i  = min(exp(clamp(sum_t d_it, -20, 20)), threshold)    on every token of sequence i
+
+zero outside the mask, detached, and with ``rollout_is_batch_normalize`` divided by their batch
+mean (over tokens, or over sequences). They are computed once per step on the whole batch (every
+rank holds it, so no collective is needed), stored as batch.tensors["rollout_is_weights"] and
+multiply the per-token policy loss of every loss mode (rl.losses). Metrics carry verl's names
+under "rollout_corr/": the weights' statistics (before truncation, as verl) when rollout_is is
+set, and the off-policy diagnostics (KL, perplexities, chi^2) whenever the rollout log-probs are
+known (verl logs them whenever the rollout reports log-probs).
+
+One deliberate difference: per-sequence statistics skip fully masked rows. verl's responses hold
+at least their EOS token; ours can be empty, and an empty row is padding, not a sequence (as in
+rl.losses). Rejection sampling (rollout_rs) and bypass mode are not implemented (config checks
+reject them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hybridengine.rl.advantages import masked_mean, masked_sum
+
+Tensor = torch.Tensor
+
+IS_LEVELS = ("token", "sequence")
+SAFETY_BOUND = 20.0   # |log w| cap before exp: exp(20) ~ 4.9e8
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """algorithm.rollout_correction (verl's names and defaults); rollout_is None: no weights."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+
+    @classmethod
+    def from_config(cls, node) -> "RolloutCorrectionConfig":
+        return cls(node.rollout_is, float(node.rollout_is_threshold), bool(node.rollout_is_batch_normalize))
+
+
+def compute_rollout_is_weights(log_ratio: Tensor, response_mask: Tensor, rollout_is: str,
+                               threshold: float, batch_normalize: bool = False) -> tuple[Tensor, dict]:
+    """Truncated IS weights [B, R] from log_ratio = log pi_old - log pi_rollout [B, R], and their
+    metrics (unprefixed; statistics of the weights before truncation)."""
+    if rollout_is not in IS_LEVELS:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is={rollout_is!r}: choose one of "
+                         f"{', '.join(IS_LEVELS)} or null")
+    if threshold <= 0:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={threshold} must be > 0")
+    mask = response_mask.to(log_ratio.dtype)
+    if rollout_is == "token":
+        log_w = log_ratio
+    else:
+        log_w = masked_sum(log_ratio, mask, axis=-1).unsqueeze(-1).expand_as(log_ratio)  # [B, R]
+    raw = torch.where(mask.bool(), torch.exp(log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND)), 0.0)
+    metrics = _weight_metrics(raw, log_w[:, 0] if rollout_is == "sequence" else None, mask, threshold)
+    weights = raw.clamp(max=threshold).detach()
+    if batch_normalize:
+        if rollout_is == "token":
+            mean = masked_mean(weights, mask)
+        else:
+            mean = masked_mean(weights, mask, axis=-1)[mask.bool().any(-1)].mean()
+        factor = mean.item() if mean > 1e-8 else 1.0
+        weights = weights / factor
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return weights, metrics
+
+
+def _weight_metrics(raw: Tensor, seq_log_w: Tensor | None, mask: Tensor, threshold: float) -> dict:
+    """verl's rollout_is_* statistics of the untruncated weights ``raw`` [B, R]; ``seq_log_w``
+    [B]: the sequence log-weights (sequence level), whose extremes are read in log space."""
+    valid, rows = mask.bool(), mask.bool().any(-1)
+    lower = 1.0 / threshold
+    out = {"rollout_is_mean": masked_mean(raw, mask).item()}
+    if seq_log_w is None:
+        out["rollout_is_ratio_fraction_high"] = masked_mean((raw > threshold).to(raw.dtype), mask).item()
+        out["rollout_is_ratio_fraction_low"] = masked_mean((raw < lower).to(raw.dtype), mask).item()
+        out["rollout_is_max"] = raw[valid].max().item()
+        out["rollout_is_min"] = raw[valid].min().item()
+    else:
+        seq = seq_log_w[rows]
+        out["rollout_is_max"] = math.exp(min(seq.max().item(), SAFETY_BOUND))
+        out["rollout_is_min"] = math.exp(seq.min().item())
+        out["rollout_is_ratio_fraction_high"] = (seq > math.log(threshold)).to(raw.dtype).mean().item()
+        out["rollout_is_ratio_fraction_low"] = (seq < math.log(lower)).to(raw.dtype).mean().item()
+    # spread and effective sample size of the weights clamped into [1/threshold, threshold]
+    bounded = raw.clamp(lower, threshold)
+    mean = masked_mean(bounded, mask)
+    var = masked_mean(bounded.square(), mask) - mean.square()
+    out["rollout_is_std"] = var.clamp(min=0).sqrt().item() if valid.sum() > 1 else 0.0
+    out["rollout_is_eff_sample_size"] = 1.0 / masked_mean((bounded / mean).square(), mask).item()
+    seq_mean = masked_mean(raw, mask, axis=-1)[rows]  # [num sequences]
+    out.update(rollout_is_seq_mean=seq_mean.mean().item(),
+               rollout_is_seq_std=seq_mean.std().item() if len(seq_mean) > 1 else 0.0,
+               rollout_is_seq_max=seq_mean.max().item(), rollout_is_seq_min=seq_mean.min().item(),
+               rollout_is_seq_max_deviation=(seq_mean - 1.0).abs().max().item(),
+               rollout_is_seq_fraction_high=(seq_mean > threshold).to(raw.dtype).mean().item(),
+               rollout_is_seq_fraction_low=(seq_mean < lower).to(raw.dtype).mean().item())
+    return out
+
+
+def compute_offpolicy_metrics(old_log_prob: Tensor, rollout_log_prob: Tensor,
+                              response_mask: Tensor) -> dict:
+    """verl's off-policy diagnostics of pi_old against pi_rollout (unprefixed): KL(rollout||old)
+    as k1 and k3, per-sequence perplexities and their log difference, chi^2 of the token and
+    sequence ratios."""
+    mask = response_mask.to(old_log_prob.dtype)
+    rows = mask.bool().any(-1)
+    log_ratio = old_log_prob - rollout_log_prob
+    mean_old = masked_mean(old_log_prob, mask, axis=-1)[rows]          # [num sequences]
+    mean_rollout = masked_mean(rollout_log_prob, mask, axis=-1)[rows]
+    log_ppl_diff = mean_rollout - mean_old
+    rho = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1)[rows].clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {
+        "training_ppl": torch.exp(-mean_old).mean().item(),
+        "training_log_ppl": (-mean_old).mean().item(),
+        "kl": masked_mean(-log_ratio, mask).item(),
+        "k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask).item(),
+        "rollout_ppl": torch.exp(-mean_rollout).mean().item(),
+        "rollout_log_ppl": (-mean_rollout).mean().item(),
+        "log_ppl_diff": log_ppl_diff.mean().item(),
+        "log_ppl_abs_diff": log_ppl_diff.abs().mean().item(),
+        "log_ppl_diff_max": log_ppl_diff.max().item(),
+        "log_ppl_diff_min": log_ppl_diff.min().item(),
+        "ppl_ratio": torch.exp(log_ppl_diff).mean().item(),
+        "chi2_token": (masked_mean(rho.square(), mask) - 1.0).item(),
+        "chi2_seq": (torch.exp(2.0 * seq_log_ratio).mean() - 1.0).item(),
+    }
+
+
+def apply_rollout_correction(batch, config: RolloutCorrectionConfig) -> dict[str, float]:
+    """Sets batch.tensors["rollout_is_weights"] when config.rollout_is is set; returns the
+    rollout_corr/ metrics. Needs old_logprob (scored) and rollout_logprob (the rollout's)."""
+    t, mask = batch.tensors, batch.response_mask
+    rollout_lp = t.get("rollout_logprob")
+    valid = mask.bool()
+    known = rollout_lp is not None and not rollout_lp[valid].isnan().any()
+    if config.rollout_is is not None and not known:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is={config.rollout_is} needs the "
+                         f"rollout's sampling log-probs, which this rollout backend did not report")
+    if not known or not valid.any():
+        if config.rollout_is is not None:
+            t["rollout_is_weights"] = torch.zeros_like(mask)
+        return {}
+    old_lp = t["old_logprob"].to(rollout_lp.dtype)
+    metrics = compute_offpolicy_metrics(old_lp, rollout_lp, mask)
+    if config.rollout_is is not None:
+        weights, is_metrics = compute_rollout_is_weights(
+            old_lp - rollout_lp, mask, config.rollout_is, config.rollout_is_threshold,
+            config.rollout_is_batch_normalize)
+        t["rollout_is_weights"] = weights
+        metrics.update(is_metrics)
+    return {f"rollout_corr/{k}": v for k, v in metrics.items()}
