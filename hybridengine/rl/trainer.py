@@ -32,6 +32,7 @@ from hybridengine.rl.rewards import build_reward
 from hybridengine.rl.flops import peak_flops
 from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
 from hybridengine.rl.rollout import RolloutCollector
+from hybridengine.rl.run_dir import claim_run_dir
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
 from hybridengine.rl.tracking import Tracker, timer
 
@@ -62,6 +63,14 @@ class Trainer:
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.layout = validate_config(cfg, world_size)
         self.device = _device(cfg)
+        self.root = Path(cfg.trainer.default_local_dir)
+        t = cfg.trainer
+        # before anything loads: a second run on this directory, or a fresh start over an
+        # earlier run, fails in a second and leaves the directory as it was (rl.run_dir)
+        self.run_lock = claim_run_dir(
+            self.root, t.resume_mode, bool(t.overwrite), rank=rank,
+            resumable=t.resume_mode == "resume_path"
+            or (t.resume_mode == "auto" and ckpt.find_latest(self.root) is not None))
         self.phases = Phases(rank, cfg.trainer.collective_timeout_s)
         torch.manual_seed(cfg.trainer.seed)
         model = cfg.actor_rollout_ref.model
@@ -74,7 +83,6 @@ class Trainer:
             self._build_roles()
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn)
-        self.root = Path(cfg.trainer.default_local_dir)
         self.peak = peak_flops() if self.device.type == "cuda" else None
 
     # --- setup --------------------------------------------------------------------------------
@@ -354,6 +362,8 @@ class Trainer:
         tracker.close()
         self.residency.unpark_all()
         self.generator.close()          # a vLLM engine shuts down while the group still exists
+        if self.run_lock is not None:
+            self.run_lock.release()
         if self.rank == 0:
             print(f"metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}", flush=True)
         return last_val
