@@ -21,7 +21,10 @@ setup(
     ],
     extras_require={
         # triton: the decode-attention kernel's test runs in Triton's CPU interpreter
-        "test": ["pytest>=8", "triton>=3.1; platform_system == 'Linux'"],
+        # gguf: tools/models/gguf_to_hf.py and tests/test_gguf.py (tested with 0.17.1, 0.19.0);
+        # accelerate: transformers needs it to load a GGUF model (the test's reference)
+        "test": ["pytest>=8", "triton>=3.1; platform_system == 'Linux'", "gguf>=0.17,<0.20",
+                 "accelerate>=1.0"],
         # The vLLM rollout backend (actor_rollout_ref.rollout.name=vllm), at the version it is
         # tested with. GPU: pip install -e .[vllm]
         "vllm": ["vllm==0.32.0"],
