@@ -81,7 +81,7 @@ if triton is not None:
     @triton.jit
     def _split_kernel(Q, K, V, Slots, Lens, Out, Lse, KNew, VNew, Cos, Sin, sm_scale, max_len,
                       stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
-                      stride_nb, stride_nh, stride_cb,
+                      stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sb,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       NEW_TOKEN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -119,7 +119,7 @@ if triton is not None:
         if NEW_TOKEN:
             swap = (dd + HEAD_DIM // 2) % HEAD_DIM
             cos = tl.load(Cos + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
-            sin = tl.load(Sin + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
+            sin = tl.load(Sin + b * stride_sb + dd).to(Q.dtype.element_ty).to(tl.float32)
         q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
         q = tl.load(q_ptr + dd[None, :], mask=g_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -134,11 +134,11 @@ if triton is not None:
             q_sw = tl.load(q_ptr + swap[None, :], mask=g_ok[:, None], other=0.0)
             q = (q.to(tl.float32) * cos[None, :] + q_sw.to(tl.float32) * sin[None, :]).to(
                 q.dtype)
-            new_ptr = b * stride_nb + j * stride_nh
-            k_new = tl.load(KNew + new_ptr + dd).to(tl.float32) * cos + \
-                tl.load(KNew + new_ptr + swap).to(tl.float32) * sin
+            k_ptr = KNew + b * stride_knb + j * stride_knh
+            k_new = tl.load(k_ptr + dd).to(tl.float32) * cos + \
+                tl.load(k_ptr + swap).to(tl.float32) * sin
             k_new = k_new.to(K.dtype.element_ty)
-            v_new = tl.load(VNew + new_ptr + dd).to(V.dtype.element_ty)
+            v_new = tl.load(VNew + b * stride_vnb + j * stride_vnh + dd).to(V.dtype.element_ty)
             if s == 0:                  # the first split holds the new token
                 at = (seqlen - 1).to(tl.int64) * stride_kt
                 tl.store(k_row + at + dd, k_new)
@@ -204,22 +204,59 @@ def split_len(rows: int, kv_heads: int, max_len: int, num_sms: int) -> int:
     return math.ceil(math.ceil(max_len / splits) / BLOCK_N) * BLOCK_N
 
 
+def stride_or_zero(t: torch.Tensor, dim: int) -> int:
+    """t.stride(dim), or 0 where that dimension has size 1. Torch leaves the stride of a size-1
+    dimension arbitrary: at decode batch 1, k and v, [1, h_kv, d] views of the qkv projection's
+    one row, have batch strides (h_q + h_kv)·d and h_kv·d. A kernel only ever multiplies it by
+    index 0; 0 (divisible by 16, as the strides of larger sizes are) keeps Triton's
+    specialisation of the kernel the one the other sizes use."""
+    return t.stride(dim) if t.shape[dim] > 1 else 0
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy when its last dimension is strided (never from the decoder,
+    whose q/k/v views and RoPE tables all have unit stride there)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _new_token_args(new, B: int, hkv: int, d: int) -> tuple[tuple, tuple]:
+    """The fused form's (k_new, v_new, cos, sin) with a unit last stride, and their row / head
+    strides for the kernel: each tensor has its own (no layout shared between them is
+    assumed), with stride_or_zero for dimensions of size 1."""
+    k_new, v_new, cos, sin = (_unit_last(t) for t in new)
+    if k_new.shape != (B, hkv, d) or v_new.shape != (B, hkv, d) or \
+            cos.shape != (B, d) or sin.shape != (B, d):
+        raise ValueError(f"triton decode attention: k_new / v_new must be [B, h_kv, d] = "
+                         f"{[B, hkv, d]} and cos / sin [B, d]; got {list(k_new.shape)}, "
+                         f"{list(v_new.shape)}, {list(cos.shape)}, {list(sin.shape)}")
+    strides = (stride_or_zero(k_new, 0), stride_or_zero(k_new, 1), stride_or_zero(v_new, 0),
+               stride_or_zero(v_new, 1), stride_or_zero(cos, 0), stride_or_zero(sin, 0))
+    return (k_new, v_new, cos, sin), strides
+
+
 def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
     """The split kernel (+ merge) over the cache; new = (k_new, v_new, cos, sin) fuses RoPE,
-    the cache write and the new token (see decode_attention_rope)."""
+    the cache write and the new token (see decode_attention_rope). Inputs of any strides are
+    taken (those of size-1 dimensions ignored); q and the new tensors are copied only if
+    strided along d. Every choice here reads shapes and strides, never device data: nothing
+    synchronises, and the same launch is captured in a CUDA graph."""
     B, hq, d = q.shape
     hkv, max_len = k_cache.shape[2], k_cache.shape[1]
     if not supports(hq, hkv, d):
         raise ValueError(f"triton decode attention needs h_q % h_kv == 0 and a power-of-two "
                          f"head_dim >= 16 (h_q={hq}, h_kv={hkv}, head_dim={d})")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("triton decode attention needs K and V caches of one contiguous layout")
-    group = hq // hkv
-    if q.stride(2) != 1:          # rows and heads may be strided (q a view of the fused qkv)
-        q = q.contiguous()
+    cache_strides = tuple(stride_or_zero(k_cache, i) for i in range(3))
+    v_strides = tuple(stride_or_zero(v_cache, i) for i in range(3))
+    # the caches are written in place (no copy can stand in): KVCache allocates K and V alike
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != d or k_cache.stride(3) != 1 or \
+            v_cache.stride(3) != 1 or cache_strides != v_strides:
+        raise ValueError("triton decode attention needs K and V caches of one shape and layout "
+                         "with a contiguous last dimension")
+    group, fused = hq // hkv, new is not None
+    q = _unit_last(q)             # rows and heads may be strided (q a view of the fused qkv)
     # the fused form on Hopper+, whose slot positions are the runner's state from earlier
     # steps; not in the interpreter, nor for the plain form, whose lengths come from the step
-    pdl = PDL and new is not None and pdl_supported(q.device)
+    pdl = PDL and fused and pdl_supported(q.device)
     length = split_len(B, hkv, max_len, _num_sms(q.device))
     splits = math.ceil(max_len / length)
     result = torch.empty(B, hq, d, dtype=q.dtype, device=q.device)
@@ -227,22 +264,16 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
     out = result if splits == 1 else \
         torch.empty(B, hq, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device)
-    if new is None:
-        k_new = v_new = cos = sin = q                       # unused
-        new_strides = (0, 0, 0)
+    if fused:
+        new, new_strides = _new_token_args(new, B, hkv, d)
     else:
-        k_new, v_new, cos, sin = new
-        if k_new.stride() != v_new.stride() or k_new.stride(2) != 1 or \
-                cos.stride() != sin.stride() or cos.stride(1) != 1:
-            raise ValueError("triton decode attention: new K/V (and cos/sin) need one layout "
-                             "with a contiguous last dimension")
-        new_strides = (k_new.stride(0), k_new.stride(1), cos.stride(0))
+        new, new_strides = (q, q, q, q), (0,) * 6               # unused
     _split_kernel[(B, hkv, splits)](
-        q, k_cache, v_cache, slots, lens, out, lse, k_new, v_new, cos, sin,
-        1.0 / math.sqrt(d), max_len, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), *new_strides,
+        q, k_cache, v_cache, slots, lens, out, lse, *new,
+        1.0 / math.sqrt(d), max_len, stride_or_zero(q, 0), stride_or_zero(q, 1),
+        *cache_strides, *new_strides,
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=new is not None,
+        BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=fused,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         PREFETCH_KEYS=PREFETCH_KEYS,
@@ -275,11 +306,12 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
                           v_cache: torch.Tensor, slots: torch.Tensor,
                           slot_positions: torch.Tensor) -> torch.Tensor:
     """One decode step's attention from the unrotated q [B, h_q, d], k_new / v_new [B, h_kv, d]
-    (views of the fused qkv projection) and the fp32 RoPE tables cos, signed sin [B, d]: q and
-    k_new rotated, k_new / v_new written to the cache of slots[b] at position
-    p = slot_positions[slots[b]] (clamped to max_model_len - 1), and attention over that slot's
-    first min(p + 1, max_model_len) tokens, in one launch. The state tensors are read as they
-    are: under torch.compile an input computed in the graph would be copied for every call."""
+    (views of the fused qkv projection; any strides, each tensor its own) and the fp32 RoPE
+    tables cos, signed sin [B, d]: q and k_new rotated, k_new / v_new written to the cache of
+    slots[b] at position p = slot_positions[slots[b]] (clamped to max_model_len - 1), and
+    attention over that slot's first min(p + 1, max_model_len) tokens, in one launch. The
+    state tensors are read as they are: under torch.compile an input computed in the graph
+    would be copied for every call."""
     return _launch(q, k_cache, v_cache, slots, slot_positions, (k_new, v_new, cos, sin))
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.kernels.decode_attention import available  # noqa: F401  (same condition)
+# available: the same condition as the decode kernel's
+from hybridengine.kernels.decode_attention import available, stride_or_zero  # noqa: F401
 
 try:
     import triton
@@ -49,11 +50,14 @@ if triton is not None:
 
 def supports(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> bool:
-    """Contiguous caches of one shape and K/V rows whose h_kv·d elements are contiguous."""
+    """Contiguous caches of one shape and K/V rows whose h_kv·d elements are contiguous (the
+    head stride is not looked at when h_kv = 1: torch leaves a size-1 dimension's stride
+    arbitrary, and a row of one head is contiguous whatever it says)."""
     h, d = k_cache.shape[2:]
     return k_cache.is_contiguous() and v_cache.is_contiguous() and \
         k_cache.shape == v_cache.shape and all(
-            t.shape[1:] == (h, d) and t.stride(2) == 1 and t.stride(1) == d for t in (k, v))
+            t.shape[1:] == (h, d) and t.stride(2) == 1 and (h == 1 or t.stride(1) == d)
+            for t in (k, v))
 
 
 def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: torch.Tensor,
@@ -68,6 +72,6 @@ def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: torch.
         return
     row = k_cache.shape[2] * k_cache.shape[3]
     _write_kernel[(triton.cdiv(n, BLOCK_R),)](
-        k, v, k_cache, v_cache, src, dst_slot, dst_pos, n, k.stride(0), v.stride(0),
-        k_cache.stride(0), k_cache.stride(1), ROW=row, BLOCK_C=triton.next_power_of_2(row),
-        BLOCK_R=BLOCK_R)
+        k, v, k_cache, v_cache, src, dst_slot, dst_pos, n, stride_or_zero(k, 0),
+        stride_or_zero(v, 0), k_cache.stride(0), k_cache.stride(1), ROW=row,
+        BLOCK_C=triton.next_power_of_2(row), BLOCK_R=BLOCK_R)

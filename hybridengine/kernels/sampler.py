@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.kernels.decode_attention import available  # noqa: F401  (same condition)
+# available: the same condition as the decode kernel's
+from hybridengine.kernels.decode_attention import available, stride_or_zero  # noqa: F401
 
 try:
     import triton
@@ -116,16 +117,17 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch
     nb = triton.cdiv(V, CDF_BLOCK)
     nc = triton.cdiv(nb, CHUNK_BLOCKS)
     dev = logits.device
+    stride_b = stride_or_zero(logits, 0)       # a lone row: its stride is arbitrary
     chunk_max = torch.empty(B, nc, dtype=torch.float32, device=dev)
     chunk_sum = torch.empty_like(chunk_max)
     block_sum = torch.empty(B, nb, dtype=torch.float32, device=dev)
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     sampled = torch.empty_like(logp)
-    _chunk_kernel[(B, nc)](logits, logits.stride(0), V, temperature, chunk_max, chunk_sum,
+    _chunk_kernel[(B, nc)](logits, stride_b, V, temperature, chunk_max, chunk_sum,
                            block_sum, nb, nc, SCALED=scaled, BLOCK=CDF_BLOCK,
                            CHUNK_BLOCKS=CHUNK_BLOCKS, **CHUNK_LAUNCH)
-    _pick_kernel[(B,)](logits, logits.stride(0), V, temperature, chunk_max, chunk_sum,
+    _pick_kernel[(B,)](logits, stride_b, V, temperature, chunk_max, chunk_sum,
                        block_sum, u.float(), tok, logp, sampled, nb, nc, SCALED=scaled,
                        BLOCK=CDF_BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS,
                        NB_P2=triton.next_power_of_2(nb), NC_P2=triton.next_power_of_2(nc))

@@ -326,34 +326,48 @@ def _(q, k, v, num_seqs, max_len):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def decoder_qkv(qkv: torch.Tensor, hq: int, hkv: int, d: int):
+    """q [T, h_q, d], k, v [T, h_kv, d] as the decoder's Attention hands them to a context:
+    views of the fused projection qkv [T, (h_q + 2 h_kv)·d] (at T = 1 torch gives k's and v's
+    size-1 first dimension different strides; the agreement checks use this very pattern)."""
+    qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
+    qk, v = qk.view(-1, hq + hkv, d), v.view(-1, hkv, d)
+    return qk[:, :hq], qk[:, hq:], v
+
+
 def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str,
                    heads: tuple[int, int, int] = (8, 2, 64)) -> bool:
-    """Run a decode backend once on a small cache of the model's head shape and compare with
-    grouped SDPA: a torch or triton that rejects the argument pattern (or computes it
-    differently) falls back."""
+    """Run a decode backend once on a small cache of the model's head shape, at batch 3 (one
+    padding row) and batch 1, on q/k/v laid out as the decoder hands them over, and compare
+    with grouped SDPA: a torch or triton that rejects the argument pattern (or computes it
+    differently) falls back here, before the first step, not in the middle of a rollout."""
     hq, hkv, d = heads
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         cache = KVCache(1, 4, 64, hkv, d, dtype, device)
         for t in cache.k + cache.v:
             t.copy_(torch.randn(t.shape, generator=g).to(device, dtype))
-        q = torch.randn(3, hq, d, generator=g).to(device, dtype)
-        k_new = torch.randn(3, hkv, d, generator=g).to(device, dtype)
-        slots = torch.tensor([0, 2, cache.scratch_slot], device=device)
-        pos = torch.tensor([37, 5, 0], device=device)
-        cu_q = torch.arange(4, dtype=torch.int32, device=device)
+        all_slots = torch.tensor([0, 2, cache.scratch_slot], device=device)
+        all_pos = torch.tensor([37, 5, 0], device=device)
         tail = torch.tensor([(cache.num_slots + 1) * 64], device=device)
-        outs = {}
-        for name in (backend, "sdpa"):
-            ctx = DecodeContext(cache, 0, slots, pos, name, 64, cu_q, tail)
-            outs[name] = ctx.attend(0, q, k_new, k_new).float()
-        if backend == "triton":     # the fused form too, with an identity rotation
-            cos = torch.ones(3, d, device=device)
-            by_slot = torch.zeros(cache.num_slots + 1, dtype=torch.long, device=device)
-            by_slot[slots] = pos
-            ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail, by_slot)
-            outs["rope"] = ctx.attend_rope(0, q, k_new, k_new, cos, 0 * cos).float()
-        err = max((outs[b] - outs["sdpa"]).abs().max().item() for b in outs)
+        err = 0.0
+        for rows in ([0, 1, 2], [1]):
+            B = len(rows)
+            slots, pos = all_slots[rows], all_pos[rows]
+            qkv = torch.randn(B, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
+            q, k_new, v_new = decoder_qkv(qkv, hq, hkv, d)
+            cu_q = torch.arange(B + 1, dtype=torch.int32, device=device)
+            outs = {}
+            for name in (backend, "sdpa"):
+                ctx = DecodeContext(cache, 0, slots, pos, name, 64, cu_q, tail)
+                outs[name] = ctx.attend(0, q, k_new, v_new).float()
+            if backend == "triton":     # the fused form too, with an identity rotation
+                cos = torch.ones(B, d, device=device)
+                by_slot = torch.zeros(cache.num_slots + 1, dtype=torch.long, device=device)
+                by_slot[slots] = pos
+                ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail, by_slot)
+                outs["rope"] = ctx.attend_rope(0, q, k_new, v_new, cos, 0 * cos).float()
+            err = max(err, max((outs[b] - outs["sdpa"]).abs().max().item() for b in outs))
         if err < 2e-2:
             return True
         logger.warning("%s decode attention differs from SDPA by %.3g; trying the next "
