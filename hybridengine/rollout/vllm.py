@@ -26,10 +26,13 @@ At gen-TP > 1 (weight_sync):
            2-core CPU (gloo), 121 MB fp32 model at t_g = 2: handoff 0.23 s, gather 0.61 s per
            update (t_g = 1: 0.20 s); on GPUs the all-gather runs over NVLink and matters less.
 
-Log-probs. logprobs_mode="raw_logprobs": vLLM returns log softmax of the unmodified logits at the
-sampled token, what the trainer recomputes (GenerationResult.logprobs). The processed-distribution
-log-prob (`sampled_logprobs`) is not available from the same engine: it equals `logprobs` when
-sampling is unmodified (temperature 1, no top-k / top-p), is 0.0 for greedy, and NaN otherwise.
+Log-probs. logprobs_mode="processed_logprobs": vLLM returns the log-prob of each sampled token
+under the distribution it was drawn from (logits / temperature, top-k / top-p applied), which is
+what the trainer's rollout correction needs (`sampled_logprobs`; the trainer recomputes it at the
+rollout temperature). For greedy decoding vLLM reports the unmodified logits' log-probs. The
+temperature-1 log-prob (`logprobs`) therefore equals that value when sampling is unmodified
+(temperature 1, no top-k / top-p) or greedy, and is NaN otherwise; `sampled_logprobs` is 0.0 for
+greedy, as the built-in engine's.
 
 Stopping follows the built-in engine: only `stop_token_ids` end a sequence (vLLM's own EOS is
 off, ignore_eos=True), the stop token is part of the response, and max_tokens is capped by the
@@ -101,12 +104,13 @@ def to_vllm_sampling(params: SamplingParams, prompt_len: int, max_model_len: int
         logprobs=0, detokenize=False, skip_special_tokens=False)
 
 
-def _sampled_logprobs(params: SamplingParams, logprobs: list[float]) -> list[float]:
+def _result_logprobs(params: SamplingParams, processed: list[float]) -> tuple[list, list]:
+    """(logprobs at temperature 1, sampled_logprobs) from vLLM's processed log-probs."""
     if params.greedy:
-        return [0.0] * len(logprobs)
+        return list(processed), [0.0] * len(processed)
     if params.temperature != 1.0 or params.top_k > 0 or params.top_p < 1.0:
-        return [math.nan] * len(logprobs)       # processed log-probs: not reported (module doc)
-    return list(logprobs)
+        return [math.nan] * len(processed), list(processed)   # T = 1 ones: not reported
+    return list(processed), list(processed)
 
 
 @contextlib.contextmanager
@@ -185,7 +189,7 @@ class VllmRollout:
         kw = dict(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                   dtype=str(dtype).removeprefix("torch."), tensor_parallel_size=gen_tp,
                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
-                  enforce_eager=enforce_eager or self.cpu, logprobs_mode="raw_logprobs",
+                  enforce_eager=enforce_eager or self.cpu, logprobs_mode="processed_logprobs",
                   generation_config="vllm", enable_sleep_mode=self.can_sleep,
                   gpu_memory_utilization=gpu_memory_utilization)
         if dist.is_initialized():
@@ -252,7 +256,7 @@ class VllmRollout:
                 ids = list(comp.token_ids)
                 lps = [comp.logprobs[k][t].logprob for k, t in enumerate(ids)]
                 reason = "stop" if ids and ids[-1] in stop else "length"
-                results.append(GenerationResult(i, j, ids, lps, _sampled_logprobs(params, lps),
+                results.append(GenerationResult(i, j, ids, *_result_logprobs(params, lps),
                                                 reason))
         self.stats.update(generate_s=time.perf_counter() - t0, num_seqs=len(results),
                           num_generated_tokens=sum(len(r.token_ids) for r in results))
