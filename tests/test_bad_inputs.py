@@ -9,6 +9,7 @@ on the stories260k model; launch/ppo.py only where the CLI itself is under test.
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from hybridengine.parallel import checkpoint as ckpt
 from hybridengine.rl.data import PromptDataset, load_rows, load_tokenizer
 from hybridengine.rl.guards import NonFiniteUpdate, SaveError
 from hybridengine.rl.rewards import RewardError, load_custom_reward, score_batch
+from hybridengine.rl.run_dir import RunDirError, claim_run_dir
 from hybridengine.rl.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +144,8 @@ def rollout_tp_does_not_divide_actor_tp_pp(tmp):
 
 
 def batch_not_multiple_of_mini_batch(tmp):
-    cfg = _tiny("actor_rollout_ref.actor.ppo_mini_batch_size=6")
+    cfg = _tiny("actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
     return lambda: validate_config(cfg, 2), ValueError, \
         "data.train_batch_size=16 must be a multiple of " \
         "actor_rollout_ref.actor.ppo_mini_batch_size=6"
@@ -219,9 +222,122 @@ def resume_path_missing(tmp):
 
 
 def world_differs_from_nnodes_times_gpus(tmp):
-    cfg = _tiny("trainer.nnodes=2", "trainer.n_gpus_per_node=8")
+    cfg = _tiny("trainer.nnodes=2", "trainer.n_gpus_per_node=8",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16")
     return lambda: validate_config(cfg, 8), ValueError, \
         "trainer.nnodes * trainer.n_gpus_per_node = 2*8 but the launcher started 8 processes"
+
+
+def _setup(*overrides):
+    """A config whose Trainer stops in its first checks (rl.preflight), before it loads or
+    writes anything."""
+    from hybridengine.rl.trainer import Trainer
+    cfg = _tiny(f"actor_rollout_ref.model.path={STORIES}",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", *overrides)
+    return lambda: Trainer(cfg)
+
+
+def model_path_missing(tmp):
+    return lambda: load_tokenizer(tmp / "nope"), FileNotFoundError, \
+        f"model directory {tmp / 'nope'} does not exist"
+
+
+def model_path_is_a_hub_id(tmp):
+    hub = "Qwen/Qwen2.5-0.5B-Instruct"
+    return _setup(f"actor_rollout_ref.model.path={hub}"), ValueError, \
+        f"actor_rollout_ref.model.path: model directory {hub} does not exist (relative to " \
+        f"{Path.cwd()}); if {hub} is a Hugging Face hub id: models are not downloaded here, " \
+        f"download it first (huggingface-cli download {hub} --local-dir DIR) and give its local DIR"
+
+
+def model_path_is_a_file(tmp):
+    f = tmp / "model.safetensors"
+    f.write_bytes(b"weights")
+    return lambda: load_tokenizer(f), ValueError, f"model path {f} is a file, not a directory: " \
+        f"give the directory that holds config.json and the *.safetensors files"
+
+
+def broken_config_json(tmp):
+    """A directory whose tokenizer is fine: the config is checked first, and named."""
+    d = tmp / "m"
+    shutil.copytree(STORIES, d)
+    (d / "config.json").write_text('{"model_type": "llama",')
+    return _setup(f"actor_rollout_ref.model.path={d}"), ValueError, \
+        f"actor_rollout_ref.model.path: {d / 'config.json'} is not valid JSON: Expecting " \
+        f"property name enclosed in double quotes: line 1 column 24 (char 23)"
+
+
+def prompt_and_response_beyond_the_context(tmp):
+    return _setup("data.max_prompt_length=480"), ValueError, \
+        f"data.max_prompt_length + data.max_response_length = 480+48 exceeds the context of " \
+        f"actor_rollout_ref.model.path={STORIES} (max_position_embeddings=512)"
+
+
+def device_cuda_without_cuda(tmp):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    return _setup("trainer.device=cuda"), ValueError, \
+        f"trainer.device=cuda but CUDA is not available (torch {torch.__version__} is built " \
+        f"without CUDA); use trainer.device=auto or cpu"
+
+
+def logger_wandb_not_installed(tmp):
+    import importlib.util
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    return _setup("trainer.logger=[console,wandb]"), ValueError, \
+        "trainer.logger=wandb needs the wandb package: pip install wandb (it logs offline " \
+        "unless WANDB_MODE says otherwise), or log to tensorboard " \
+        "(trainer.logger=[console,tensorboard])"
+
+
+def logger_mlflow(tmp):
+    return _setup("trainer.logger=[console,mlflow]"), ValueError, \
+        "trainer.logger backend 'mlflow' is verl's but not supported here; use wandb or " \
+        "tensorboard (known backends: console, jsonl, tensorboard, wandb)"
+
+
+def grpo_with_greedy_sampling(tmp):
+    return lambda: validate_config(_tiny("actor_rollout_ref.rollout.do_sample=false"), 2), \
+        ValueError, "algorithm.adv_estimator=grpo with greedy sampling " \
+        "(actor_rollout_ref.rollout.do_sample=false) and actor_rollout_ref.rollout.n=8: the 8 " \
+        "responses of a prompt are identical, so every advantage is 0; sample " \
+        "(actor_rollout_ref.rollout.do_sample=true, temperature > 0)"
+
+
+def data_file_empty(tmp):
+    f = tmp / "train.jsonl"
+    f.write_text("")
+    return lambda: load_rows(f), ValueError, f"{f} is empty: no rows"
+
+
+def jsonl_not_utf8(tmp):
+    f = tmp / "train.jsonl"
+    f.write_bytes(json.dumps(_row()).encode() + b'\n{"prompt": "caf\xe9"}\n')
+    return lambda: load_rows(f), ValueError, f"{f}:2: not UTF-8 text (byte 0xe9 at column 16)"
+
+
+def yaml_syntax_error(tmp):
+    f = tmp / "mine.yaml"
+    f.write_text("data:\n  train_batch_size: 4\n  train_files: [a.jsonl\ntrainer:\n  seed: 1\n")
+    return lambda: load_config(["--config", str(f)]), ValueError, \
+        f"{f}: invalid YAML: line 4, column 8: did not find expected ',' or ']' (while parsing " \
+        f"a flow sequence from line 3, column 16)"
+
+
+def reward_file_syntax_error(tmp):
+    f = tmp / "my_reward.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                 "    return float(solution_str.strip() == ground_truth\n")
+    return lambda: load_custom_reward(f), ValueError, \
+        f"custom reward file {f}:2: syntax error: '(' was never closed"
+
+
+def output_dir_under_a_file(tmp):
+    (tmp / "runs").write_text("not a directory")
+    out = tmp / "runs" / "exp1"
+    return lambda: claim_run_dir(out, "auto", False, False), RunDirError, \
+        f"trainer.default_local_dir={out} cannot be used: Not a directory"
 
 
 CATALOGUE = [
@@ -233,7 +349,11 @@ CATALOGUE = [
     mini_batch_does_not_split_over_dp, model_dir_without_config, corrupt_safetensors,
     unsupported_model_type, tokenizer_missing, reward_function_raises, reward_not_finite,
     reward_file_missing, reward_function_name_missing, resume_path_missing,
-    world_differs_from_nnodes_times_gpus,
+    world_differs_from_nnodes_times_gpus, model_path_missing, model_path_is_a_hub_id,
+    model_path_is_a_file, broken_config_json, prompt_and_response_beyond_the_context,
+    device_cuda_without_cuda, logger_wandb_not_installed, logger_mlflow,
+    grpo_with_greedy_sampling, data_file_empty, jsonl_not_utf8, yaml_syntax_error,
+    reward_file_syntax_error, output_dir_under_a_file,
 ]
 
 
@@ -426,14 +546,60 @@ def test_resume_from_a_checkpoint_of_another_model_shape(tmp_path):
         f"checkpoint, layers.4.mlp.down_proj.weight [64, 128] (bucket 0, offset 64) now")
 
 
+@pytest.mark.parametrize("damage", ["safetensors", "json"])
+def test_truncated_checkpoint_state_names_the_file_and_the_previous_checkpoint(tmp_path, damage):
+    first = _trainer(tmp_path)
+    first.save(1)
+    first.save(2)
+    first.run_lock.release()
+    state = tmp_path / "global_step_2" / "state" / f"rank_00000.{damage}"
+    state.write_bytes(state.read_bytes()[:100])                     # a save cut short
+    with pytest.raises(ValueError) as info:
+        _trainer(tmp_path).resume()
+    text = str(info.value)
+    assert text.startswith(f"corrupt checkpoint file {state}: ") and "\n" not in text
+    assert text.endswith(f"; resume from the previous one with trainer.resume_mode=resume_path "
+                         f"trainer.resume_from_path={tmp_path / 'global_step_1'}")
+
+
+def test_an_output_directory_on_a_read_only_filesystem_is_one_line(tmp_path, monkeypatch):
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(RunDirError) as info:
+        claim_run_dir(tmp_path / "out", "auto", False, False)
+    assert str(info.value) == (f"trainer.default_local_dir={tmp_path / 'out'} cannot be used: "
+                               f"Read-only file system")
+
+
+def test_more_steps_than_the_data_gives_says_so_when_it_stops(tmp_path, capsys):
+    """8 prompts / batch 4 x 1 epoch = 2 steps of the 3 asked; and perf/mfu stays <= 1."""
+    data = _jsonl(tmp_path / "train.jsonl", [_row(index=i) for i in range(8)])
+    trainer = _trainer(tmp_path / "run", f"data.train_files={data}", "trainer.total_epochs=1",
+                       "trainer.total_training_steps=3")
+    trainer.fit()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "warning: stopped after step 2 of trainer.total_training_steps=3: the data gives 2 " \
+        "batches (8 prompts // data.train_batch_size=4 = 2 per epoch x trainer.total_epochs=1)" \
+        in capsys.readouterr().out
+    mfu = [v for r in rows for k, v in r.items() if k.startswith("perf/mfu")]
+    assert mfu and all(0 < v <= 1 for v in mfu)
+
+
 # ----------------------------------------------------------------------------- the command line
 
-def _cli(*args):
+def _env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC"))}
-    env.update(HYBRIDENGINE_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC",
+                                "HYBRIDENGINE_TRACEBACK"))}
+    env.update(HYBRIDENGINE_NO_PROGRESS="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _cli(*args, **env):
     return subprocess.run([sys.executable, str(ROOT / "launch" / "ppo.py"), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=_env(**env), capture_output=True, text=True, timeout=120)
 
 
 def test_cli_bad_config_is_one_line_exit_2():
@@ -451,3 +617,92 @@ def test_cli_missing_reward_file_is_one_line_exit_2(tmp_path):
     assert proc.stderr.splitlines()[-1] == \
         f"error: custom reward file not found: {tmp_path / 'reward.py'}"
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_says_every_config_error_at_once():
+    proc = _cli("trainer.total_trainig_steps=2", "data.train_batch_size=x", "nonsense",
+                f"actor_rollout_ref.model.path={STORIES}")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: argument 'nonsense' is not a key=value override",
+        "error: unknown config key 'trainer.total_trainig_steps' (nearest known key: "
+        "'trainer.total_training_steps')",
+        "error: data.train_batch_size='x': expected an integer, got str"]
+
+
+@pytest.mark.parametrize("value, shown", [("0", False), ("1", True), ("YES", True)])
+def test_cli_traceback_only_when_asked(value, shown):
+    proc = _cli("trainer.total_trainig_steps=2", HYBRIDENGINE_TRACEBACK=value)
+    assert proc.returncode == 2
+    assert ("Traceback (most recent call last)" in proc.stderr) == shown
+    assert proc.stderr.splitlines()[-1].startswith("error: unknown config key")
+
+
+def test_cli_says_which_config_layers_are_in_force(tmp_path):
+    """A model path alone leaves the default job: the first line says what is in force."""
+    proc = _cli(f"actor_rollout_ref.model.path={STORIES}", "data.train_batch_size=4")
+    assert proc.stdout.splitlines()[0] == (
+        "config: defaults (configs/ppo_trainer.yaml) + 2 command-line overrides (not the default "
+        "job: configs/tiny.yaml applies only without --config and model path)")
+    proc = _cli("--config", str(ROOT / "configs" / "grpo.yaml"), "trainer.total_trainig_steps=1")
+    assert proc.returncode == 2 and proc.stdout == ""   # an argv with errors says only those
+
+
+def test_ctrl_c_names_the_latest_checkpoint_exit_130(tmp_path):
+    import signal
+    import time
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch" / "ppo.py"),
+         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "trainer.save_freq=1",
+         "trainer.val_before_train=False", "trainer.test_freq=-1", "data.max_response_length=8",
+         f"trainer.default_local_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pointer = tmp_path / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 120
+    while not pointer.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    step = pointer.read_text()
+    assert err.splitlines() == [f"interrupted; latest checkpoint global_step_{step} in {tmp_path} "
+                                f"(trainer.resume_mode=auto resumes from it)"]
+
+
+def test_the_error_line_is_recorded_for_torchruns_summary(tmp_path, monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from hybridengine.rl.guards import report_failure
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert report_failure("first problem\nsecond problem", 2, rank=0)
+    assert capsys.readouterr().err == "error: first problem\nerror: second problem\n"
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2,
+                             error_file=str(tmp_path / "error.json"))
+    summary = str(ChildFailedError("launch/ppo.py", {0: failure}))
+    assert "traceback : first problem\n  second problem" in summary and "exitcode  : 2" in summary
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", ["config", "reward"])
+def test_torchrun_two_ranks_say_an_error_once(tmp_path, case):
+    """At 2 ranks: the line once (a config error before the group exists, a reward file error
+    after), torchrun's exit code 1 with the worker's 2 and message in its summary, and no
+    traceback of ours (torchrun's own traceback of its ChildFailedError remains)."""
+    from dist_utils import free_port
+    args = ["trainer.total_trainig_steps=2"] if case == "config" else \
+        [f"custom_reward_function.path={tmp_path / 'reward.py'}", "trainer.total_training_steps=1",
+         f"trainer.default_local_dir={tmp_path / 'out'}"]
+    message = "unknown config key 'trainer.total_trainig_steps' (nearest known key: " \
+        "'trainer.total_training_steps')" if case == "config" else \
+        f"custom reward file not found: {tmp_path / 'reward.py'}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-backend=c10d",
+         str(ROOT / "launch" / "ppo.py"), *args],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1                                   # torchrun's, for any failure
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")] == \
+        [f"error: {message}"], proc.stderr[-3000:]
+    assert re.search(r"exitcode\s*: 2 ", proc.stderr)                # the worker's own code
+    assert f"traceback : {message}" in proc.stderr                  # in torchrun's summary
+    frames = [ln for ln in proc.stderr.splitlines() if ln.lstrip().startswith('File "')]
+    assert not [f for f in frames if "hybridengine" in f or "launch/ppo.py" in f], frames

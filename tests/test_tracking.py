@@ -1,4 +1,5 @@
 """Tracker backends, resume truncation, timers, metric reduction and tools/plot.py."""
+import importlib.util
 import io
 import json
 import subprocess
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridengine.rl.console import FULL_LINE_ENV
 from hybridengine.rl.tracking import (METRICS_FILE, NO_PROGRESS_ENV, Tracker, format_console,
                                       progress_enabled, read_metrics, reduce_metrics, timer)
 
@@ -18,11 +20,29 @@ def steps_in(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
-def test_console_line_matches_verl_format(capsys):
+def test_console_line_matches_verl_format_when_asked(capsys, monkeypatch):
+    monkeypatch.setenv(FULL_LINE_ENV, "verl")
     tracker = Tracker(["console"])
     tracker.log({"b/x": 1.23456, "a": 2, "c": 1234567.0}, step=3)
     tracker.close()
     assert capsys.readouterr().out == "step:3 - a:2 - b/x:1.235 - c:1.235e+06\n"
+
+
+def test_console_prints_the_short_line_and_a_summary(capsys, monkeypatch):
+    monkeypatch.delenv(FULL_LINE_ENV, raising=False)
+    tracker = Tracker(["console"], total_steps=4)
+    tracker.log({"val/reward/mean": 0.25, "val/response_length/mean": 40.0}, step=0)
+    for step in (1, 2):
+        tracker.log({"critic/score/mean": 0.5, "actor/pg_loss": 0.1, "timing_s/step": 1.5,
+                     **({"val/reward/mean": 0.75} if step == 2 else {})}, step=step)
+    summary = tracker.summary()
+    tracker.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step 0/4  val 0.250 (len 40.0)"
+    assert lines[1].startswith("step 1/4  score  0.500   1.50 s  eta ") and "pg_loss" not in lines[1]
+    assert lines[2].endswith("val 0.750")
+    assert summary.startswith("done: steps 1-2 in 0:0") and summary.endswith("val 0.250 -> 0.750")
+    assert Tracker([]).summary() is None        # console off
 
 
 def test_jsonl_is_flushed_every_step_and_sorted(tmp_path):
@@ -91,8 +111,8 @@ def test_tensorboard_scalars_and_resume_purge(tmp_path):
 
 
 def test_unknown_backend_names_it_and_the_known_ones():
-    with pytest.raises(ValueError, match=r"'wandb'.*console, jsonl, tensorboard"):
-        Tracker(["console", "wandb"])
+    with pytest.raises(ValueError, match=r"'neptune'.*console, jsonl, tensorboard, wandb"):
+        Tracker(["console", "neptune"])
     with pytest.raises(ValueError, match="default_local_dir"):
         Tracker("tensorboard")  # a bare string is accepted as one backend, but needs a dir
     with pytest.raises(ValueError, match="'loss' is not a number"):
@@ -169,3 +189,37 @@ def test_plot_tool_writes_a_png(tmp_path):
     result = run_plot(str(tmp_path / "empty.jsonl"))
     assert result.returncode == 1
     assert "no plottable keys" in result.stderr and "Traceback" not in result.stderr
+
+
+def load_plot_tool():
+    spec = importlib.util.spec_from_file_location("plot_tool", REPO / "tools" / "plot.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plot_marks_the_length_limit_and_keeps_identical_series(tmp_path):
+    plot_tool = load_plot_tool()
+    with Tracker([], log_dir=tmp_path) as tracker:
+        for step in range(1, 5):
+            clipped = 0.25 * (step - 1)
+            tracker.log({"response_length/mean": 30.0 + step, "response_length/max": 40.0 if
+                         clipped else 35.0, "response_length/clip_ratio": clipped,
+                         "perf/throughput": 100.0}, step=step)
+        for step in (0, 4):   # two validation keys with the same values: one would hide the other
+            tracker.log({"val/reward/mean": 0.1 * step, "val/test_score/src": 0.1 * step},
+                        step=step)
+    by_step = plot_tool.merge_by_step(read_metrics(tmp_path / METRICS_FILE))
+    assert plot_tool.infer_max_response_length(by_step) == 40   # from a step that clipped
+    fig, titles = plot_tool.figure(by_step)
+    legends = {ax.get_title() or ax.get_ylabel(): [t.get_text() for t in ax.get_legend().texts]
+               for ax in fig.axes if ax.get_legend()}
+    assert legends["reward"] == ["val/reward/mean", "val/test_score/src (= val/reward/mean)"]
+    length = next(labels for labels in legends.values() if "response_length/mean" in labels)
+    assert "max_response_length = 40" in length
+    assert "clipped % (response_length/clip_ratio)" in length
+    assert any(ax.get_ylabel() == "tokens/s per device" for ax in fig.axes)
+    fig, _ = plot_tool.figure(by_step, max_response_length=64)   # --max-response-length
+    assert any("max_response_length = 64" in t.get_text() for ax in fig.axes if ax.get_legend()
+               for t in ax.get_legend().texts)

@@ -1,13 +1,18 @@
 """Plot a run's metrics.jsonl (written by hybridengine.rl.tracking.Tracker) to a PNG.
 
-    python tools/plot.py path/to/metrics.jsonl [--out plot.png]
+    python tools/plot.py path/to/metrics.jsonl [--out plot.png] [--max-response-length N]
 
 Panels against step: reward (critic/score/mean and validation val/* keys), KL (actor/ppo_kl,
 actor/reward_kl_penalty, actor/kl_loss), response length (response_length/mean and
-val/*response_length* keys), throughput (perf/throughput). A panel shows the keys the file has
-and is left out when it has none; records logged at the same step (train and validation
-metrics in separate calls) are merged. The output defaults to metrics.png beside the input.
-Runs from a source checkout without installing the package.
+val/*response_length* keys; the clipped share, response_length/clip_ratio, in % on the right
+axis; data.max_response_length as a dashed line), throughput (perf/throughput, tokens/s per
+device). A panel shows the keys the file has and is left out when it has none; a series equal
+to one drawn before it is drawn dashed on top and labelled "(= other key)", so that neither
+hides the other. Records logged at the same step (train and validation metrics in separate
+calls) are merged. max_response_length is not in metrics.jsonl: --max-response-length gives
+it, else it is read off a step that clipped (its response_length/max is the limit). The output
+defaults to metrics.png beside the input. Runs from a source checkout without installing the
+package.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ except ImportError:  # a source checkout, not installed: the repo root is one le
     from hybridengine.rl.tracking import read_metrics
 
 
+CLIP_KEY = "response_length/clip_ratio"
+
+
 def _is_val_length(key: str) -> bool:
     return key.startswith("val/") and "response_length" in key
 
@@ -45,6 +53,7 @@ class Panel:
     ylabel: str
     keys: tuple[str, ...]  # drawn when present, in this order
     also: Callable[[str], bool] | None = None  # further keys to draw (validation), sorted
+    share: str | None = None  # a 0..1 key drawn in % on the right axis
 
     def select(self, present: list[str]) -> list[str]:
         extra = sorted(k for k in present if self.also and self.also(k))
@@ -54,8 +63,9 @@ class Panel:
 PANELS = (
     Panel("reward", "score", ("critic/score/mean",), _is_val_reward),
     Panel("KL", "KL", ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")),
-    Panel("response length", "tokens", ("response_length/mean",), _is_val_length),
-    Panel("throughput", "tokens/s/GPU", ("perf/throughput",)),
+    Panel("response length", "tokens", ("response_length/mean",), _is_val_length,
+          share=CLIP_KEY),
+    Panel("throughput", "tokens/s per device", ("perf/throughput",)),
 )
 
 
@@ -74,37 +84,97 @@ def series(by_step: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
-def plot(metrics_path: Path, out_path: Path) -> list[str]:
-    """Write the PNG; returns the titles of the panels drawn."""
-    by_step = merge_by_step(read_metrics(metrics_path))
+def infer_max_response_length(by_step: dict[int, dict]) -> int | None:
+    """data.max_response_length, read off a step that clipped: a clipped response is exactly
+    that long, so the step's response_length/max is the limit. None when no step clipped."""
+    for m in by_step.values():
+        if (m.get(CLIP_KEY) or 0) > 0 and m.get("response_length/max") is not None:
+            return int(m["response_length/max"])
+    return None
+
+
+def same_as(by_step: dict[int, dict], keys: list[str]) -> dict[str, str]:
+    """{key: an earlier key of `keys` with the same steps and values} (their lines coincide)."""
+    drawn: dict[tuple, str] = {}
+    out = {}
+    for key in keys:
+        steps, values = series(by_step, key)
+        signature = (tuple(steps), tuple(values))
+        if signature in drawn:
+            out[key] = drawn[signature]
+        else:
+            drawn[signature] = key
+    return out
+
+
+def _draw_panel(ax, panel: Panel, panel_keys: list[str], by_step: dict[int, dict],
+                max_response_length: int | None) -> None:
+    twins = same_as(by_step, panel_keys)
+    for key in panel_keys:
+        steps, values = series(by_step, key)
+        # Sparse series (validation) get markers so a single point is still visible.
+        marker = "o" if len(steps) < len(by_step) else None
+        if key in twins:   # dashed over the line it equals: both colours stay visible
+            ax.plot(steps, values, label=f"{key} (= {twins[key]})", marker=marker and "x",
+                    markersize=5, linestyle=(0, (4, 4)), zorder=3)
+        else:
+            ax.plot(steps, values, label=key, marker=marker, markersize=3)
+    if panel.share:        # lengths from 0, so that the distance to the limit reads true
+        if max_response_length is not None:
+            ax.axhline(max_response_length, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"max_response_length = {max_response_length}")
+        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1.08 * (max_response_length or 0)))
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(alpha=0.3)
+    legend_ax, (handles, labels) = ax, ax.get_legend_handles_labels()
+    steps, values = series(by_step, panel.share) if panel.share else ([], [])
+    if steps:
+        legend_ax = ax.twinx()   # drawn over ax: the legend goes on it to stay on top
+        legend_ax.plot(steps, [100 * v for v in values], color="tab:gray", linestyle=":",
+                       label=f"clipped % ({panel.share})")
+        legend_ax.set_ylim(-5, 105)
+        legend_ax.set_ylabel("clipped % (right axis)")
+        more_handles, more_labels = legend_ax.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    legend_ax.legend(handles, labels, fontsize=8)
+
+
+def figure(by_step: dict[int, dict], max_response_length: int | None = None,
+           title: str = "") -> tuple[plt.Figure, list[str]]:
+    """The figure and the titles of its panels; max_response_length None: inferred."""
     keys = sorted({k for m in by_step.values() for k in m if k != "step"})
     panels = [(panel, panel.select(keys)) for panel in PANELS]
     panels = [(panel, panel_keys) for panel, panel_keys in panels if panel_keys]
     if not panels:
         wanted = ", ".join(k for panel in PANELS for k in panel.keys)
-        raise ValueError(f"{metrics_path}: no plottable keys (looked for {wanted}, val/*)")
+        raise ValueError(f"no plottable keys (looked for {wanted}, val/*)")
+    if max_response_length is None:
+        max_response_length = infer_max_response_length(by_step)
     ncols = 1 if len(panels) == 1 else 2
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.5 * nrows), squeeze=False)
     for ax, (panel, panel_keys) in zip(axes.flat, panels):
-        for key in panel_keys:
-            steps, values = series(by_step, key)
-            # Sparse series (validation) get markers so a single point is still visible.
-            marker = "o" if len(steps) < len(by_step) else None
-            ax.plot(steps, values, label=key, marker=marker, markersize=3)
-        ax.set_title(panel.title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(panel.ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _draw_panel(ax, panel, panel_keys, by_step, max_response_length)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle(str(metrics_path), fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    return fig, [panel.title for panel, _ in panels]
+
+
+def plot(metrics_path: Path, out_path: Path, max_response_length: int | None = None) -> list[str]:
+    """Write the PNG; returns the titles of the panels drawn."""
+    try:
+        fig, titles = figure(merge_by_step(read_metrics(metrics_path)), max_response_length,
+                             str(metrics_path))
+    except ValueError as err:
+        raise ValueError(f"{metrics_path}: {err}") from None
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
-    return [panel.title for panel, _ in panels]
+    return titles
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,10 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("metrics", type=Path, help="metrics.jsonl written by the trainer")
     parser.add_argument("--out", type=Path, default=None,
                         help="PNG to write (default: metrics.png beside the input)")
+    parser.add_argument("--max-response-length", type=int, default=None,
+                        help="data.max_response_length, drawn on the length panel (default: "
+                             "read off a step that clipped)")
     args = parser.parse_args(argv)
     out = args.out or args.metrics.with_suffix(".png")
     try:
-        titles = plot(args.metrics, out)
+        titles = plot(args.metrics, out, args.max_response_length)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"plot.py: {err}")
     print(f"wrote {out} ({', '.join(titles)})")

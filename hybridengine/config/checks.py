@@ -3,16 +3,18 @@
 `derive_layout(cfg, world_size)` turns the config into per-role (tp, pp, dp) and the generation
 TP degree; `validate_config(cfg, world_size)` runs every check (single-field ranges, batch
 divisibility per verl's semantics, parallel sizes, algorithm combinations) and returns that
-layout. Each failure is one line naming the key and value.
+layout. Each failure is one line naming the key and value; every failure of a config is reported
+at once (one ConfigError, a line each). The checks are generators of those lines.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R
+from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R, ConfigError
 
 
 # ----------------------------------------------------------------------------- layout
@@ -119,76 +121,85 @@ RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
 )
 
 
-def _check_ranges(cfg: DictConfig) -> None:
+def _check_ranges(cfg: DictConfig) -> Iterator[str]:
     for message, ok, keys in RANGES:
         for key in keys:
             value = OmegaConf.select(cfg, key)
             if value is not None and not ok(value):
-                raise ValueError(f"{key}={value} {message}")
+                yield f"{key}={value} {message}"
 
 
-def _check_algorithm(cfg: DictConfig) -> None:
-    algo, data, n = cfg.algorithm, cfg.data, cfg.actor_rollout_ref.rollout.n
+def _check_algorithm(cfg: DictConfig) -> Iterator[str]:
+    algo, data, rollout = cfg.algorithm, cfg.data, cfg.actor_rollout_ref.rollout
+    n = rollout.n
     if cfg.actor_rollout_ref.model.path is None:
-        raise ValueError("actor_rollout_ref.model.path must be set (a Hugging Face model directory)")
+        yield "actor_rollout_ref.model.path must be set (a Hugging Face model directory)"
     if uses_critic(cfg) and cfg.critic.model.path is None:
-        raise ValueError("critic.model.path must be set when algorithm.adv_estimator=gae")
+        yield "critic.model.path must be set when algorithm.adv_estimator=gae"
     if algo.adv_estimator in GROUP_ESTIMATORS and n < 2:
-        raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a "
-                         f"prompt: set {_R}n >= 2 (got {n})")
+        yield (f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a "
+               f"prompt: set {_R}n >= 2 (got {n})")
+    if algo.adv_estimator in GROUP_ESTIMATORS and n > 1 and \
+            (not rollout.do_sample or rollout.temperature == 0):
+        greedy = f"{_R}do_sample=false" if not rollout.do_sample else f"{_R}temperature=0"
+        yield (f"algorithm.adv_estimator={algo.adv_estimator} with greedy sampling ({greedy}) and "
+               f"{_R}n={n}: the {n} responses of a prompt are identical, so every advantage is 0; "
+               f"sample ({_R}do_sample=true, temperature > 0)")
     if algo.filter_groups.enable and n < 2:
-        raise ValueError(f"algorithm.filter_groups.enable=true filters groups of responses: set {_R}n >= 2")
+        yield f"algorithm.filter_groups.enable=true filters groups of responses: set {_R}n >= 2"
     if not algo.filter_groups.enable and data.gen_batch_size != data.train_batch_size:
-        raise ValueError(f"data.gen_batch_size={data.gen_batch_size} != data.train_batch_size="
-                         f"{data.train_batch_size}: it is only used with algorithm.filter_groups.enable=true")
+        yield (f"data.gen_batch_size={data.gen_batch_size} != data.train_batch_size="
+               f"{data.train_batch_size}: it is only used with algorithm.filter_groups.enable=true")
     overlong = cfg.reward_model.overlong_buffer
     if overlong.enable and cfg.reward_model.reward_manager != "dapo":
-        raise ValueError("reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo")
+        yield "reward_model.overlong_buffer.enable=true needs reward_model.reward_manager=dapo"
     if overlong.enable and not 0 < overlong.len <= data.max_response_length:
-        raise ValueError(f"reward_model.overlong_buffer.len={overlong.len} must be in "
-                         f"(0, data.max_response_length={data.max_response_length}]")
+        yield (f"reward_model.overlong_buffer.len={overlong.len} must be in "
+               f"(0, data.max_response_length={data.max_response_length}]")
     if cfg.reward_model.enable:
-        raise ValueError("reward_model.enable=true: model-based rewards are not supported; "
-                         "use the rule rewards or custom_reward_function.path")
+        yield ("reward_model.enable=true: model-based rewards are not supported; "
+               "use the rule rewards or custom_reward_function.path")
     if cfg.trainer.resume_mode == "resume_path" and cfg.trainer.resume_from_path is None:
-        raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
 
 
-def _check_train_batches(cfg: DictConfig, section: str, role: RoleLayout) -> None:
+def _check_train_batches(cfg: DictConfig, section: str, role: RoleLayout) -> Iterator[str]:
     """verl's rule: ppo_mini_batch_size counts prompts, so a mini-batch is mini * n sequences,
-    split evenly over the role's DP ranks, then into ppo_micro_batch_size_per_gpu micro-batches."""
+    split evenly over the role's DP ranks, then into ppo_micro_batch_size_per_gpu micro-batches.
+    (Runs on positive sizes: _check_ranges first.)"""
     node, prompts = OmegaConf.select(cfg, section), cfg.data.train_batch_size
     n = cfg.actor_rollout_ref.rollout.n
     mini = node.ppo_mini_batch_size
     if prompts % mini:
-        raise ValueError(f"data.train_batch_size={prompts} must be a multiple of "
-                         f"{section}.ppo_mini_batch_size={mini}")
+        yield (f"data.train_batch_size={prompts} must be a multiple of "
+               f"{section}.ppo_mini_batch_size={mini}")
     sequences = mini * n
     if sequences % role.dp:
-        raise ValueError(f"{section}.ppo_mini_batch_size * rollout.n = {mini}*{n} sequences do not split "
-                         f"over data-parallel size {role.dp} (= world / (tp {role.tp} * pp {role.pp}))")
+        yield (f"{section}.ppo_mini_batch_size * rollout.n = {mini}*{n} sequences do not split "
+               f"over data-parallel size {role.dp} (= world / (tp {role.tp} * pp {role.pp}))")
     micro = node.ppo_micro_batch_size_per_gpu
     if node.use_dynamic_bsz:
         return
     if micro is None:
-        raise ValueError(f"{section}.ppo_micro_batch_size_per_gpu must be set when "
-                         f"{section}.use_dynamic_bsz=false")
-    if (sequences // role.dp) % micro:
-        raise ValueError(f"{section}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank "
-                         f"mini-batch of {mini}*{n}/{role.dp} = {sequences // role.dp} sequences")
+        yield (f"{section}.ppo_micro_batch_size_per_gpu must be set when "
+               f"{section}.use_dynamic_bsz=false")
+    elif not sequences % role.dp and (sequences // role.dp) % micro:
+        yield (f"{section}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank "
+               f"mini-batch of {mini}*{n}/{role.dp} = {sequences // role.dp} sequences")
 
 
-def _check_forward_batches(cfg: DictConfig, layout: EngineLayout) -> None:
+def _check_forward_batches(cfg: DictConfig, layout: EngineLayout) -> Iterator[str]:
     rollout, ref, critic = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
     needed = [(_R + "log_prob", rollout.log_prob_use_dynamic_bsz, rollout.log_prob_micro_batch_size_per_gpu)]
     if layout.ref is not None:
         needed.append((_F + "log_prob", ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu))
-    if layout.critic is not None:
+    if layout.critic is not None and critic.ppo_micro_batch_size_per_gpu is not None:
+        # (its default follows critic.ppo_micro_batch_size_per_gpu, whose absence is said already)
         needed.append(("critic.forward", critic.use_dynamic_bsz, critic.forward_micro_batch_size_per_gpu))
     for stem, dynamic, micro in needed:
         if not dynamic and micro is None:
             dynamic_key = "critic.use_dynamic_bsz" if stem.startswith("critic") else f"{stem}_use_dynamic_bsz"
-            raise ValueError(f"{stem}_micro_batch_size_per_gpu must be set when {dynamic_key}=false")
+            yield f"{stem}_micro_batch_size_per_gpu must be set when {dynamic_key}=false"
 
 
 # actor.policy_loss.loss_mode and rollout_correction.rollout_is: the registries of rl.losses and
@@ -198,48 +209,55 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")
 _RC = "algorithm.rollout_correction."
 
 
-def _check_policy_loss(cfg: DictConfig) -> None:
+def _check_policy_loss(cfg: DictConfig) -> Iterator[str]:
     """actor.policy_loss, actor.loss_scale_factor and algorithm.rollout_correction (verl's keys;
     rejection sampling and bypass mode are accepted only at their neutral values)."""
     actor, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
     pl = actor.policy_loss
     if pl.loss_mode not in POLICY_LOSS_MODES:
-        raise ValueError(f"{_A}policy_loss.loss_mode={pl.loss_mode!r}: choose one of "
-                         f"{', '.join(POLICY_LOSS_MODES)}")
+        yield (f"{_A}policy_loss.loss_mode={pl.loss_mode!r}: choose one of "
+               f"{', '.join(POLICY_LOSS_MODES)}")
     if rc.rollout_is is not None and rc.rollout_is not in ROLLOUT_IS_LEVELS:
-        raise ValueError(f"{_RC}rollout_is={rc.rollout_is!r}: choose one of "
-                         f"{', '.join(ROLLOUT_IS_LEVELS)} or null")
+        yield (f"{_RC}rollout_is={rc.rollout_is!r}: choose one of "
+               f"{', '.join(ROLLOUT_IS_LEVELS)} or null")
     for key, value in ((_A + "loss_scale_factor", actor.loss_scale_factor),
                        (_A + "policy_loss.clip_cov_ratio", pl.clip_cov_ratio),
                        (_A + "policy_loss.kl_cov_ratio", pl.kl_cov_ratio),
                        (_RC + "rollout_is_threshold", rc.rollout_is_threshold)):
         if value is not None and not value > 0:
-            raise ValueError(f"{key}={value} must be > 0")
+            yield f"{key}={value} must be > 0"
     if pl.ppo_kl_coef < 0:
-        raise ValueError(f"{_A}policy_loss.ppo_kl_coef={pl.ppo_kl_coef} must be >= 0")
+        yield f"{_A}policy_loss.ppo_kl_coef={pl.ppo_kl_coef} must be >= 0"
     if not pl.clip_cov_lb < pl.clip_cov_ub:
-        raise ValueError(f"{_A}policy_loss.clip_cov_lb={pl.clip_cov_lb} must be < "
-                         f"clip_cov_ub={pl.clip_cov_ub}")
+        yield (f"{_A}policy_loss.clip_cov_lb={pl.clip_cov_lb} must be < "
+               f"clip_cov_ub={pl.clip_cov_ub}")
     if rc.rollout_rs is not None:
-        raise ValueError(f"{_RC}rollout_rs={rc.rollout_rs!r}: rejection sampling is not supported "
-                         f"(null only)")
+        yield (f"{_RC}rollout_rs={rc.rollout_rs!r}: rejection sampling is not supported "
+               f"(null only)")
     if rc.bypass_mode or rc.loss_type != "ppo_clip":
-        raise ValueError(f"{_RC}bypass_mode={rc.bypass_mode}, loss_type={rc.loss_type!r}: bypass "
-                         f"mode is not supported (bypass_mode=false, loss_type=ppo_clip only)")
+        yield (f"{_RC}bypass_mode={rc.bypass_mode}, loss_type={rc.loss_type!r}: bypass "
+               f"mode is not supported (bypass_mode=false, loss_type=ppo_clip only)")
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> EngineLayout:
-    """Ranges and cross-field checks (one-line ValueError naming the fields); returns the layout."""
-    _check_ranges(cfg)
-    _check_algorithm(cfg)
-    _check_policy_loss(cfg)
+    """Ranges and cross-field checks; returns the layout. Raises one ConfigError (a ValueError)
+    listing every failure, a line each naming the fields."""
+    range_errors = list(_check_ranges(cfg))
+    errors = [*range_errors, *_check_algorithm(cfg), *_check_policy_loss(cfg)]
     trainer = cfg.trainer
     if trainer.n_gpus_per_node is not None and trainer.nnodes * trainer.n_gpus_per_node != world_size:
-        raise ValueError(f"trainer.nnodes * trainer.n_gpus_per_node = {trainer.nnodes}*"
-                         f"{trainer.n_gpus_per_node} but the launcher started {world_size} processes")
-    layout = derive_layout(cfg, world_size)
-    _check_train_batches(cfg, "actor_rollout_ref.actor", layout.actor)
-    if layout.critic is not None:
-        _check_train_batches(cfg, "critic", layout.critic)
-    _check_forward_batches(cfg, layout)
+        errors.append(f"trainer.nnodes * trainer.n_gpus_per_node = {trainer.nnodes}*"
+                      f"{trainer.n_gpus_per_node} but the launcher started {world_size} processes")
+    try:
+        layout = derive_layout(cfg, world_size)
+    except ValueError as e:
+        errors.append(str(e))
+        layout = None
+    if layout is not None and not range_errors:     # the batch rules divide by the sizes
+        errors += _check_train_batches(cfg, "actor_rollout_ref.actor", layout.actor)
+        if layout.critic is not None:
+            errors += _check_train_batches(cfg, "critic", layout.critic)
+        errors += _check_forward_batches(cfg, layout)
+    if errors:
+        raise ConfigError(errors)
     return layout

@@ -6,8 +6,10 @@ tree) in order, then the `key=value` overrides (OmegaConf dotlist syntax: `a.b=[
 DictConfig (reading a missing key raises) whose every leaf has the type of its default.
 
 Errors are one line each: an unknown key names the nearest known key; a wrong type names key,
-value and expected type; an unknown choice lists the choices. Keys that verl users pass but that
-mean nothing here (FSDP knobs, Ray, HDFS, ...) are dropped with one warning line listing them.
+value and expected type; an unknown choice lists the choices; a YAML syntax error gives file, line
+and column. Every error of the command line and files is reported at once (`ConfigError`, one
+line each), not one per attempt. Keys that verl users pass but that mean nothing here (FSDP
+knobs, Ray, HDFS, ...) are dropped with one warning line listing them.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ IGNORED = (
     "reward_model.strategy", "reward_model.model", "reward_model.micro_batch_size*",
     "reward_model.max_length", "reward_model.use_dynamic_bsz", "reward_model.forward_max_token_len_per_gpu",
     "reward_model.launch_reward_fn_async", "reward_model.megatron", "reward_model.overlong_buffer.log",
-    "trainer.default_hdfs_dir", "trainer.balance_batch", "trainer.critic_warmup",
+    "trainer.default_hdfs_dir", "trainer.balance_batch",
     "trainer.log_val_generations", "trainer.rollout_data_dir", "trainer.validation_data_dir",
     "trainer.del_local_ckpt_after_load", "trainer.max_*_ckpt_to_keep",
     "trainer.ray_wait_register_center_timeout",
@@ -121,24 +123,48 @@ MAPPING_KEYS = frozenset(k for k, (kind, _) in SPECS.items() if kind.startswith(
 # ----------------------------------------------------------------------------- loading
 
 
+class ConfigError(ValueError):
+    """Several config errors at once: the message holds one line per error."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def _raise_all(errors: list[Exception]) -> None:
+    """Nothing when `errors` is empty; the error itself when there is one (its type kept);
+    else one ConfigError listing them all."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigError([str(e) for e in errors])
+
+
 def load_config(argv: list[str]) -> DictConfig:
     """Defaults <- each --config FILE (in order) <- key=value overrides (in order, after all
-    files, wherever they stand in argv); typed, resolved, struct mode."""
-    files, dotlist = _parse_argv(argv)
+    files, wherever they stand in argv); typed, resolved, struct mode. Every error of argv and
+    the files is collected before raising (`_raise_all`)."""
+    errors: list[Exception] = []
+    files, dotlist = _parse_argv(argv, errors)
     defaults = OmegaConf.load(DEFAULTS_FILE)
     leaves = dict(_flat(OmegaConf.to_container(defaults, resolve=True)))
     sections = {key.rsplit(".", i)[0] for key in leaves for i in range(1, key.count(".") + 1)}
     ignored: list[str] = []
-    cfg = defaults
+    trees = []
     for file in files:
-        tree = _load_yaml(file)
-        cfg = OmegaConf.merge(cfg, _accept(tree, f"{file}: ", leaves, sections, ignored))
+        try:
+            trees.append(_accept(_load_yaml(file), f"{file}: ", leaves, sections, ignored, errors))
+        except (ValueError, FileNotFoundError) as e:
+            errors.append(e)
     for item in dotlist:
         try:
             tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
         except OmegaConfBaseException as e:
-            raise ValueError(f"bad override {item!r}: {_first_line(e)}") from None
-        cfg = OmegaConf.merge(cfg, _accept(tree, "", leaves, sections, ignored))
+            errors.append(ValueError(f"bad override {item!r}: {_first_line(e)}"))
+            continue
+        trees.append(_accept(tree, "", leaves, sections, ignored, errors))
+    _raise_all(errors)
+    cfg = OmegaConf.merge(defaults, *trees)
     if ignored:
         names = ", ".join(dict.fromkeys(ignored))
         logger.warning("ignoring verl keys that have no meaning in hybridengine: %s", names)
@@ -147,29 +173,48 @@ def load_config(argv: list[str]) -> DictConfig:
     except OmegaConfBaseException as e:
         raise ValueError(f"config interpolation failed: {_first_line(e)}") from None
     for key, value in list(_flat(resolved)):   # the keys of `leaves`: _accept admitted no other
-        _set(resolved, key, _typed(key, value, leaves[key]))
+        try:
+            _set(resolved, key, _typed(key, value, leaves[key]))
+        except ValueError as e:
+            errors.append(e)
+    _raise_all(errors)
     out = OmegaConf.create(resolved)
     OmegaConf.set_struct(out, True)
     return out
 
 
-def _parse_argv(argv: list[str]) -> tuple[list[Path], list[str]]:
+def describe_layers(argv: list[str]) -> str:
+    """The config layers argv puts in force, in merge order: `defaults (configs/ppo_trainer.yaml)
+    + configs/tiny.yaml + 2 command-line overrides` (argv as load_config reads it)."""
+    files, dotlist = _parse_argv(argv, [])
+    repo = DEFAULTS_FILE.parents[1]
+    shown = [str(f.resolve().relative_to(repo)) if f.resolve().is_relative_to(repo) else str(f)
+             for f in files]
+    layers = [f"defaults (configs/{DEFAULTS_FILE.name})", *shown]
+    if dotlist:
+        layers.append(f"{len(dotlist)} command-line override{'s' * (len(dotlist) != 1)}")
+    return " + ".join(layers)
+
+
+def _parse_argv(argv: list[str], errors: list[Exception]) -> tuple[list[Path], list[str]]:
     files, dotlist = [], []
     args = iter(argv)
     for arg in args:
         if arg == "--config" or arg.startswith("--config="):
             path = arg.partition("=")[2] or next(args, "")
-            if not path:
-                raise ValueError("--config needs a YAML file path")
-            files.append(Path(path))
+            if path:
+                files.append(Path(path))
+            else:
+                errors.append(ValueError("--config needs a YAML file path"))
         elif arg.startswith("~"):
-            raise ValueError(f"override {arg!r}: deleting keys is not supported")
+            errors.append(ValueError(f"override {arg!r}: deleting keys is not supported"))
         elif arg.startswith("-"):
-            raise ValueError(f"unknown argument {arg!r}; expected --config FILE or key=value overrides")
+            errors.append(ValueError(f"unknown argument {arg!r}; expected --config FILE or "
+                                     f"key=value overrides"))
         elif "=" in arg and arg.lstrip("+").partition("=")[0]:
             dotlist.append(arg.lstrip("+"))   # Hydra's +key=value / ++key=value
         else:
-            raise ValueError(f"argument {arg!r} is not a key=value override")
+            errors.append(ValueError(f"argument {arg!r} is not a key=value override"))
     return files, dotlist
 
 
@@ -178,11 +223,27 @@ def _load_yaml(file: Path) -> dict:
         raise FileNotFoundError(f"--config file {file} does not exist")
     try:
         tree = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
+    except yaml.MarkedYAMLError as e:
+        raise ValueError(f"{file}: invalid YAML: {_yaml_problem(e)}") from None
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise ValueError(f"{file}: invalid YAML: {_first_line(e)}") from None
     if not isinstance(tree, dict):
         raise ValueError(f"{file}: expected a mapping of config keys at the top level")
     return tree
+
+
+def _yaml_problem(error: yaml.MarkedYAMLError) -> str:
+    """`line 4, column 8: did not find expected ',' or ']' (while parsing a flow sequence
+    from line 3, column 6)`: PyYAML's marks are 0-based."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+    mark = error.problem_mark or error.context_mark
+    text = f"{at(mark)}: " if mark else ""
+    text += error.problem or error.context or type(error).__name__
+    if error.context and error.problem:
+        text += f" ({error.context}" + (f" from {at(error.context_mark)}"
+                                         if error.context_mark else "") + ")"
+    return text
 
 
 def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -195,26 +256,31 @@ def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _accept(tree: dict, where: str, leaves: dict, sections: set, ignored: list,
-            kept: dict | None = None, prefix: str = "") -> dict:
+            errors: list, kept: dict | None = None, prefix: str = "") -> dict:
     """The part of an override tree that is ours (aliases renamed), as a tree from the root;
-    ignorable keys are appended to `ignored`; anything else is an error naming the nearest key."""
+    ignorable keys are appended to `ignored`; anything else is an error (appended to `errors`,
+    its key left out) naming the nearest key."""
     kept = {} if kept is None else kept
     for name, value in tree.items():
         key = ALIASES.get(prefix + str(name), prefix + str(name))
-        if key in leaves:
-            if not (isinstance(value, str) and "${" in value):
-                _typed(key, value, leaves[key])  # early: a mapping cannot even merge into a list
-            _set(kept, key, value)
-        elif key in sections:
-            if not isinstance(value, dict):
-                raise ValueError(f"{where}{key}={value!r}: {key} is a config section, not a value")
-            _accept(value, where, leaves, sections, ignored, kept, key + ".")
-        elif _ignorable(key, value, where):
-            ignored.extend(k for k, _ in _flat({key: value}))
-        else:
-            full_key = next(_flat({key: value}))[0]
-            raise ValueError(f"{where}unknown config key {full_key!r} "
-                             f"(nearest known key: {_nearest(full_key, leaves)!r})")
+        try:
+            if key in leaves:
+                if not (isinstance(value, str) and "${" in value):
+                    _typed(key, value, leaves[key])  # early: a mapping cannot merge into a list
+                _set(kept, key, value)
+            elif key in sections:
+                if not isinstance(value, dict):
+                    raise ValueError(f"{where}{key}={value!r}: {key} is a config section, "
+                                     f"not a value")
+                _accept(value, where, leaves, sections, ignored, errors, kept, key + ".")
+            elif _ignorable(key, value, where):
+                ignored.extend(k for k, _ in _flat({key: value}))
+            else:
+                full_key = next(_flat({key: value}))[0]
+                raise ValueError(f"{where}unknown config key {full_key!r} "
+                                 f"(nearest known key: {_nearest(full_key, leaves)!r})")
+        except ValueError as e:
+            errors.append(e)
     return kept
 
 

@@ -31,11 +31,36 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "generation_config.json", "chat_template.jinja")
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_dir(model_dir: str | os.PathLike) -> Path:
+    """`model_dir` as a Path when it is a directory; else one line saying what it is: missing
+    (and, when it reads like a Hugging Face hub id, that nothing is downloaded here) or a file."""
+    path = Path(model_dir)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"model path {path} is a file, not a directory: give the directory "
+                         f"that holds config.json and the *.safetensors files")
+    where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+    hub = ""
+    if _HUB_ID.fullmatch(str(model_dir)):
+        hub = (f"; if {model_dir} is a Hugging Face hub id: models are not downloaded here, "
+               f"download it first (huggingface-cli download {model_dir} --local-dir DIR) "
+               f"and give its local DIR")
+    raise FileNotFoundError(f"model directory {path} does not exist{where}{hub}")
+
+
 def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     """ModelConfig from an HF directory's config.json (parsed by transformers)."""
-    path = Path(model_dir)
+    path = check_model_dir(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json")
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:    # before transformers' vaguer message
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
     from transformers import AutoConfig
     try:
         hf = AutoConfig.from_pretrained(str(path), trust_remote_code=False)

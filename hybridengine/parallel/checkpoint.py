@@ -35,6 +35,14 @@ _STEP_DIR = re.compile(r"global_step_(\d+)")
 _FORMAT = "hybridengine.checkpoint/1"
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint state file that cannot be read back (truncated, damaged); names the file."""
+
+    def __init__(self, file: Path, reason: str):
+        super().__init__(f"corrupt checkpoint file {file}: {reason}")
+        self.file = file
+
+
 def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"global_step_{step}"
 
@@ -209,6 +217,16 @@ def save_checkpoint(root: str | os.PathLike, step: int, per_rank_tensors: dict[s
 
 # --- load ---------------------------------------------------------------------------------------
 
+def earlier_checkpoint(root: str | os.PathLike, step: int) -> int | None:
+    """The newest complete checkpoint step under `root` before `step` (None: none)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = [int(m.group(1)) for p in root.iterdir()
+             if (m := _STEP_DIR.fullmatch(p.name)) and (p / "state").is_dir()]
+    return max((s for s in steps if s < step), default=None)
+
+
 def find_latest(root: str | os.PathLike) -> int | None:
     """The step in root/latest_checkpointed_iteration.txt; None when there is no pointer."""
     pointer = Path(root) / LATEST
@@ -268,13 +286,16 @@ def load_checkpoint(path: str | os.PathLike, rank: int | None = None, like: dict
     try:
         record = json.loads(record_file.read_text())
     except ValueError as e:
-        raise ValueError(f"corrupt checkpoint file {record_file}: {e}") from e
+        raise CorruptCheckpoint(record_file, str(e)) from e
     if record.get("format") != _FORMAT:
         raise ValueError(f"{record_file} has format {record.get('format')!r}, expected {_FORMAT}")
     if record["world_size"] != world:
         raise ValueError(f"checkpoint {state} was saved by {record['world_size']} ranks, this run "
                          f"has {world}: resume needs the same layout")
-    tensors = load_file(str(tensor_file))
+    try:
+        tensors = load_file(str(tensor_file))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated file
+        raise CorruptCheckpoint(tensor_file, str(e)) from e
     if like is not None:
         check_tensors(tensors, like, str(tensor_file))
     if restore_rng_state and record.get("rng"):

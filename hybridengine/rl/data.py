@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
+from hybridengine.models.hf import check_model_dir
 from hybridengine.rl.rewards import extract_gsm8k_answer
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"
@@ -50,8 +51,13 @@ def to_verl_row(question: str, answer: str, split: str, index: int) -> dict[str,
 
 def _read_jsonl(file: Path) -> list[dict[str, Any]]:
     rows = []
-    with file.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with file.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{file}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at "
+                                 f"column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -123,6 +129,8 @@ def load_rows(paths: str | Path | Sequence[str | Path],
     all_rows: list[dict[str, Any]] = []
     for file in map(Path, files):
         rows = _read_file(file, prompt_key)
+        if not rows:
+            raise ValueError(f"{file} is empty: no rows")
         for i, row in enumerate(rows):
             _validate_row(row, prompt_key, f"{file} row {i}")
         all_rows.extend(rows)
@@ -137,7 +145,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer of an HF model directory. Code shipped with the model (auto_map) runs only
     with trust_remote_code=True; without it such a tokenizer is refused, not executed."""
-    path = Path(model_dir)
+    path = check_model_dir(model_dir)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"model directory {path} has no tokenizer "
                                 f"(none of {', '.join(TOKENIZER_FILES)})")

@@ -10,15 +10,21 @@
   `abort` turns that into `NonFiniteUpdate`, `skip` returns how many updates were dropped so the
   trainer logs them (training/nan_skipped_updates). Never silent.
 - `inject_faults` holds the test hooks that kill or hang a rank at a given step.
+- `report_failure` says a failure once for the whole job (`error: <line>` on stderr, one per
+  line of the message), and records it where torchrun's summary shows it.
 
 Every error here derives from `RunError`: launch/ppo.py prints its message as one line, exit 1.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
+import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 
@@ -140,3 +146,72 @@ def inject_faults(step: int, rank: int, world_size: int) -> None:
     if os.environ.get("HYBRIDENGINE_HANG_AT_STEP") == str(step) and rank == world_size - 1:
         while True:
             time.sleep(3600)
+
+
+# ----------------------------------------------------------------------------- saying it once
+
+TRACEBACK_ENV = "HYBRIDENGINE_TRACEBACK"
+# A rank that leaves the report to another waits this long before it exits, so that under
+# torchrun the rank that spoke ends first and is the root cause of torchrun's summary (torchrun
+# stops the waiting ranks as soon as one exits).
+_DEFER_S = 10.0
+
+
+def traceback_wanted() -> bool:
+    """HYBRIDENGINE_TRACEBACK=1, true or yes shows tracebacks; unset, 0 or anything else not."""
+    return os.environ.get(TRACEBACK_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def report_failure(message: str, code: int, rank: int, details: str | None = None,
+                   own: bool = False) -> bool:
+    """Say `message` as `error: <line>` lines on stderr once for the whole job; True when this
+    rank said it. Before the process group exists every rank has read the same argv and files,
+    so rank 0 speaks; after, the first rank to count the message in the group's store does (a
+    failure only one rank met is said by that rank). `own`: a failure of this rank alone
+    (PeerFailure names it), always said. `details` (a traceback) goes before the line.
+
+    Under torchrun the speaker also writes the message to TORCHELASTIC_ERROR_FILE, so torchrun's
+    summary shows it (and `exitcode: <code>`) instead of "To enable traceback see ..."; a silent
+    rank waits a little before it exits, so the speaker is torchrun's first observed failure."""
+    if own or _first_to_say(message, rank):
+        if details:
+            print(details.rstrip("\n"), file=sys.stderr)
+        for line in message.splitlines() or [""]:
+            print(f"error: {line}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _record_for_torchrun(message, code, details)
+        return True
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(_DEFER_S)
+        _record_for_torchrun(message, code, details)
+    return False
+
+
+def _first_to_say(message: str, rank: int) -> bool:
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rank == 0
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))    # the store's host may be gone
+        key = "hybridengine/said/" + hashlib.sha1(message.encode()).hexdigest()[:16]
+        return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - no store to ask: better said twice than never
+        return True
+
+
+def _record_for_torchrun(message: str, code: int, details: str | None) -> None:
+    """torchrun's error file (torch.distributed.elastic ErrorHandler's JSON layout): its summary
+    prints extraInfo.py_callstack as the failure's "traceback"."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "errorCode": code,
+                          "extraInfo": {"py_callstack": details or message,
+                                        "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass                                    # the summary then says less; the line was said

@@ -212,7 +212,13 @@ def _import_file(path: str | Path) -> Any:
     if spec is None or spec.loader is None:
         raise ValueError(f"custom reward file is not an importable Python file: {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ValueError(f"custom reward file {path}:{e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module: any import-time failure, one line
+        raise ValueError(f"custom reward file {path} failed to import: "
+                         f"{type(e).__name__}: {e}") from e
     return module
 
 

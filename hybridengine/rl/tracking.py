@@ -1,4 +1,5 @@
-"""Experiment tracking: metrics to console / JSONL / TensorBoard, a progress bar, step timers.
+"""Experiment tracking: metrics to console / JSONL / TensorBoard / wandb, a progress bar,
+step timers.
 
 Contract:
 - `Tracker(backends, log_dir, ...)` is built on every rank with the same arguments (so a bad
@@ -10,6 +11,10 @@ Contract:
   events; resume_step=k keeps what was logged at steps <= k and drops the rest, so a run killed
   after its checkpoint at step k and resumed from it logs every step exactly once.
 - `read_metrics` is the one parser of metrics.jsonl (tools/plot.py uses it too).
+- The console backend prints one short line per step (rl.console.step_line: step/total, score,
+  length, KL, throughput, step time, ETA, validation), or verl's full line with
+  HYBRIDENGINE_CONSOLE=verl; a tqdm bar on stderr only when it is a terminal (the short lines
+  carry the progress and ETA in a log file). `summary()` is the run's closing line.
 """
 from __future__ import annotations
 
@@ -24,7 +29,11 @@ from pathlib import Path
 
 import tqdm
 
-KNOWN_BACKENDS = ("console", "jsonl", "tensorboard")
+from hybridengine.rl.console import FULL_LINE_ENV, StepClock, step_line, summary_line, val_score
+
+KNOWN_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+# verl backends we do not carry: named in the error with what to use instead
+VERL_ONLY_BACKENDS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
 METRICS_FILE = "metrics.jsonl"
 NO_PROGRESS_ENV = "HYBRIDENGINE_NO_PROGRESS"
 
@@ -70,10 +79,25 @@ def _normalize_backends(backends: str | Iterable[str]) -> list[str]:
     # verl configs accept trainer.logger=console as well as a list.
     names = [backends] if isinstance(backends, str) else list(backends)
     unknown = [name for name in names if name not in KNOWN_BACKENDS]
+    if unknown and unknown[0] in VERL_ONLY_BACKENDS:
+        raise ValueError(f"trainer.logger backend {unknown[0]!r} is verl's but not supported here; "
+                         f"use wandb or tensorboard (known backends: {', '.join(KNOWN_BACKENDS)})")
     if unknown:
         raise ValueError(f"unknown trainer.logger backend {unknown[0]!r}; known backends: "
                          f"{', '.join(KNOWN_BACKENDS)}")
+    if "wandb" in names:
+        try:
+            import wandb  # noqa: F401 - only whether it is there
+        except ImportError:
+            raise ValueError("trainer.logger=wandb needs the wandb package: pip install wandb "
+                             "(it logs offline unless WANDB_MODE says otherwise), or log to "
+                             "tensorboard (trainer.logger=[console,tensorboard])") from None
     return names
+
+
+def check_backends(backends: str | Iterable[str]) -> list[str]:
+    """trainer.logger's names, checked before a run builds anything (one-line ValueError)."""
+    return _normalize_backends(backends)
 
 
 def _to_float(key: str, value) -> float:
@@ -100,8 +124,15 @@ class Tracker:
                              "(trainer.default_local_dir)")
         self.rank = rank
         self.console = rank == 0 and "console" in names
+        self.full_line = os.environ.get(FULL_LINE_ENV) == "verl"
+        self.total_steps = total_steps
+        self._first_step = (resume_step or 0) + 1
+        self._clock = StepClock(total_steps, resume_step or 0)
+        self._last_step = None
+        self._vals: list[float] = []
         self._jsonl = None
         self._tensorboard = None
+        self._wandb = None
         self._bar = None
         if rank != 0:
             return
@@ -116,6 +147,8 @@ class Tracker:
             purge_step = 0 if resume_step is None else resume_step + 1
             self._tensorboard = SummaryWriter(str(log_dir / "tensorboard"),
                                               purge_step=purge_step)
+        if "wandb" in names:
+            self._wandb = WandbBackend(project, experiment, log_dir)
         if progress_enabled(rank):
             self._bar = tqdm.tqdm(total=total_steps, initial=resume_step or 0, unit="step",
                                   desc=f"{project}/{experiment}", file=sys.stderr,
@@ -128,7 +161,7 @@ class Tracker:
         values = {key: _to_float(key, value) for key, value in metrics.items()}
         if self.console:
             # tqdm.write clears the bar first, so lines never interleave with it.
-            tqdm.tqdm.write(format_console(values, step), file=sys.stdout)
+            tqdm.tqdm.write(self._console_line(values, step), file=sys.stdout)
             sys.stdout.flush()
         if self._jsonl is not None:
             record = {"step": step}
@@ -140,8 +173,30 @@ class Tracker:
             for key, value in values.items():
                 self._tensorboard.add_scalar(key, value, global_step=step)
             self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step)
         if self._bar is not None and step > self._bar.n:
             self._bar.update(step - self._bar.n)
+
+    def _console_line(self, values: dict[str, float], step: int) -> str:
+        if step < self._first_step:     # validation before training: time steps from here
+            self._clock.start(step)
+        else:
+            self._last_step = step
+        val = val_score(values)
+        if val is not None:
+            self._vals.append(val)
+        if self.full_line:
+            return format_console(values, step)
+        return step_line(values, step, self.total_steps, self._clock.eta_s(step))
+
+    def summary(self) -> str | None:
+        """`done: steps 1-20 in 0:52 (2.60 s/step), val 0.034 -> 0.961`; None when the console
+        is off or no training step was logged."""
+        if not self.console or self._last_step is None:
+            return None
+        return summary_line(self._first_step, self._last_step, self._clock.elapsed_s(),
+                            self._vals)
 
     def close(self) -> None:
         """Flush and close every backend."""
@@ -151,12 +206,32 @@ class Tracker:
             self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
     def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class WandbBackend:
+    """trainer.logger=wandb (verl's): each step's metrics under the names and step of
+    metrics.jsonl. Offline unless WANDB_MODE says otherwise (files under <log_dir>/wandb;
+    `wandb sync` uploads them), so a run needs neither network nor account."""
+
+    def __init__(self, project: str, experiment: str, log_dir: Path | None):
+        import wandb
+        self._run = wandb.init(project=project, name=experiment,
+                               mode=os.environ.get("WANDB_MODE") or "offline",
+                               dir=str(log_dir) if log_dir is not None else None)
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        self._run.log(dict(values), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 def _open_jsonl(path: Path, resume_step: int | None):

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from hybridengine.config import uses_critic, uses_reference, validate_config
+from hybridengine.config import ConfigError, uses_critic, uses_reference
 from hybridengine.engine import TrainEngine
 from hybridengine.parallel import checkpoint as ckpt
 from hybridengine.parallel.mesh import Layout, build_mesh
 from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridengine.rl.batch import Batch
+from hybridengine.rl.console import RunFacts, header_lines
 from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, load_tokenizer
 from hybridengine.rl.generation import Generator
 from hybridengine.rl.guards import Phases, SaveError, count_skipped_updates, inject_faults
@@ -34,6 +35,7 @@ from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
 from hybridengine.rl.rollout import RolloutCollector
 from hybridengine.rl.run_dir import claim_run_dir
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
+from hybridengine.rl.preflight import preflight
 from hybridengine.rl.tracking import Tracker, timer
 
 
@@ -61,7 +63,9 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 class Trainer:
     def __init__(self, cfg, world_size: int = 1, rank: int = 0):
         self.cfg, self.rank, self.world = cfg, rank, world_size
-        self.layout = validate_config(cfg, world_size)
+        self.layout, errors = preflight(cfg, world_size)   # every error at once, nothing written
+        if errors:
+            raise ConfigError(errors)
         self.device = _device(cfg)
         self.root = Path(cfg.trainer.default_local_dir)
         t = cfg.trainer
@@ -179,10 +183,13 @@ class Trainer:
             if self.critic is not None:
                 with phase("update_critic", timings, sync):
                     out.update(self.critic.update(batch, self._n, step))
-            with phase("update_actor", timings, sync):
-                out.update(self.actor.update(batch, self._n, step))
+            # verl's critic warm-up: the actor updates once step >= trainer.critic_warmup
+            update_actor = step >= self.cfg.trainer.critic_warmup
+            if update_actor:
+                with phase("update_actor", timings, sync):
+                    out.update(self.actor.update(batch, self._n, step))
             out["training/nan_skipped_updates"] = self._skipped_updates(out, len(batch), step)
-            self._finish_schedules()
+            self._finish_schedules(update_actor)
         out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics(),
                    **self.residency.pop_metrics())
         out.update({f"timing_s/{k}": v for k, v in timings.items()})
@@ -247,8 +254,9 @@ class Trainer:
         t["advantages"], t["returns"] = adv, ret
         return metrics
 
-    def _finish_schedules(self):
-        self.actor.engine.optimizer.step_schedule()
+    def _finish_schedules(self, actor_updated: bool = True):
+        if actor_updated:
+            self.actor.engine.optimizer.step_schedule()
         if self.critic is not None:
             self.critic.engine.optimizer.step_schedule()
 
@@ -259,11 +267,11 @@ class Trainer:
                "perf/throughput": tokens / step_s / self.world}
         flops = step_flops(self.actor.engine.cfg, batch.seqlens, self.cfg, self.ref is not None,
                            self.critic is not None)
-        peak = (self.peak or _cpu_peak()) * self.world
-        out["perf/mfu"] = sum(flops.values()) / step_s / peak
-        for phase, f in flops.items():          # per training phase, over that phase's time
-            if timings.get(phase):
-                out[f"perf/mfu/{phase}"] = f / timings[phase] / peak
+        rates = {"perf/mfu": sum(flops.values()) / step_s / self.world}
+        rates.update({f"perf/mfu/{phase}": f / timings[phase] / self.world   # over its own time
+                      for phase, f in flops.items() if timings.get(phase)})
+        peak = self.peak or _cpu_peak(max(rates.values()))
+        out.update({key: rate / peak for key, rate in rates.items()})
         if self.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return out
@@ -312,7 +320,10 @@ class Trainer:
             if ckpt.find_latest(self.root) is None:
                 return 0
             path = self.root
-        tensors, meta = ckpt.load_checkpoint(path, self.rank)
+        try:
+            tensors, meta = ckpt.load_checkpoint(path, self.rank)
+        except ckpt.CorruptCheckpoint as e:
+            raise ValueError(f"{e}; {self._earlier_checkpoint_hint(e.file)}") from None
         self.residency.enter("resume")
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None:
@@ -327,11 +338,32 @@ class Trainer:
         self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
         return int(meta["step"])
 
+    def _earlier_checkpoint_hint(self, file: Path) -> str:
+        """What to resume from instead of the checkpoint that holds the unreadable `file`."""
+        ckpt_dir = file.parent.parent                       # global_step_N/state/<file>
+        step = int(ckpt_dir.name.rpartition("_")[2].partition(".")[0])
+        earlier = ckpt.earlier_checkpoint(ckpt_dir.parent, step)
+        if earlier is None:
+            return ("no earlier checkpoint: start fresh with trainer.resume_mode=disable "
+                    "trainer.overwrite=true")
+        return (f"resume from the previous one with trainer.resume_mode=resume_path "
+                f"trainer.resume_from_path={ckpt_dir.parent / f'global_step_{earlier}'}")
+
     # --- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Train to trainer.total_training_steps; the directory lock is released however it ends."""
+        try:
+            return self._fit()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _fit(self) -> dict:
         t, phase = self.cfg.trainer, self._phase
         with phase("resume"):
             start = self.resume()
+        if self.rank == 0:
+            print("\n".join(header_lines(RunFacts.of(self, start))), flush=True)
         tracker = Tracker(t.logger, self.root, t.project_name, t.experiment_name, self.rank,
                           resume_step=start if start else None, total_steps=self.total_steps)
         last_val = {}
@@ -344,6 +376,7 @@ class Trainer:
         while step < self.total_steps:
             indices = next(batches, None)
             if indices is None:
+                self._say_data_ran_out(step)
                 break
             step = self.phases.step = step + 1
             inject_faults(step, self.rank, self.world)
@@ -359,26 +392,40 @@ class Trainer:
             if t.save_freq > 0 and (step % t.save_freq == 0 or is_last):
                 with phase("save"):
                     self.save(step)
+        summary = tracker.summary()
         tracker.close()
         self.residency.unpark_all()
         self.generator.close()          # a vLLM engine shuts down while the group still exists
-        if self.run_lock is not None:
-            self.run_lock.release()
         if self.rank == 0:
-            print(f"metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}", flush=True)
+            done = f"{summary}\n" if summary else ""
+            print(f"{done}metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}",
+                  flush=True)
         return last_val
+
+    def _say_data_ran_out(self, step: int) -> None:
+        s = self.sampler
+        if self.rank == 0:
+            print(f"warning: stopped after step {step} of trainer.total_training_steps="
+                  f"{self.total_steps}: the data gives {len(s)} batches ({s.num_samples} prompts "
+                  f"// data.train_batch_size={s.batch_size} = {s.num_batches_per_epoch} per epoch "
+                  f"x trainer.total_epochs={s.total_epochs})", flush=True)
 
 
 _CPU_PEAK: list[float] = []
 
 
-def _cpu_peak() -> float:
-    """fp32 matmul rate of this CPU, measured once (the MFU denominator off-GPU)."""
+def _cpu_peak(achieved: float = 0.0) -> float:
+    """The MFU denominator off-GPU, per rank: the best fp32 rate of 1024^2 matmuls this process
+    measured (best of 5, once), raised to any rate a step `achieved`. A measured rate, not a
+    datasheet peak: a busy machine can measure low, and a step never shows mfu > 1."""
     if not _CPU_PEAK:
-        a = torch.randn(512, 512)
+        a = torch.randn(1024, 1024)
         a @ a
-        t0 = time.perf_counter()
-        for _ in range(8):
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
             a @ a
-        _CPU_PEAK.append(8 * 2 * 512**3 / (time.perf_counter() - t0))
+            best = min(best, time.perf_counter() - t0)
+        _CPU_PEAK.append(2 * 1024**3 / best)
+    _CPU_PEAK[0] = max(_CPU_PEAK[0], achieved)
     return _CPU_PEAK[0]

@@ -1,0 +1,54 @@
+"""What a run checks before it writes or loads anything, so that a first day's mistakes come
+out together, one line each (launch/ppo.py prints them, exit 2):
+
+- the config's own rules (config.validate_config, a ConfigError listing them all);
+- trainer.logger (a backend that is not there, wandb not installed) and trainer.device=cuda
+  without CUDA;
+- each model path: what it is when it is not an HF directory with a readable config.json (no
+  such directory, a hub id, a file, broken JSON) before the tokenizer looks in it, and prompt +
+  response within its context (verl's rollout refuses a longer max_model_len too; positions past
+  max_position_embeddings were never trained).
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridengine.config import ConfigError, EngineLayout, uses_critic, validate_config
+from hybridengine.models.hf import read_model_config
+from hybridengine.rl.tracking import check_backends
+
+
+def preflight(cfg, world_size: int) -> tuple[EngineLayout | None, list[str]]:
+    """(the layout, or None when the config's rules fail; every error, a line each): the
+    checks of the module docstring, in that order."""
+    layout, errors = None, []
+    try:
+        layout = validate_config(cfg, world_size)
+    except ConfigError as e:
+        errors += e.errors
+    try:
+        check_backends(cfg.trainer.logger)
+    except ValueError as e:
+        errors.append(str(e))
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        why = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None \
+            else "no GPU is visible"
+        errors.append(f"trainer.device=cuda but CUDA is not available ({why}); use "
+                      f"trainer.device=auto or cpu")
+    d = cfg.data
+    paths = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
+    if uses_critic(cfg) and cfg.critic.model.path != paths[0][1]:
+        paths.append(("critic.model.path", cfg.critic.model.path))
+    for key, path in paths:
+        if path is None:
+            continue                             # validate_config said so
+        try:
+            context = read_model_config(path).max_position_embeddings
+        except (ValueError, FileNotFoundError) as e:
+            errors.append(f"{key}: {e}")
+            continue
+        if d.max_prompt_length + d.max_response_length > context:
+            errors.append(f"data.max_prompt_length + data.max_response_length = "
+                          f"{d.max_prompt_length}+{d.max_response_length} exceeds the context "
+                          f"of {key}={path} (max_position_embeddings={context})")
+    return layout, errors
