@@ -211,8 +211,10 @@ def reward_file_missing(tmp):
 def reward_function_name_missing(tmp):
     f = tmp / "my_reward.py"
     f.write_text("def compute_score(**kw):\n    return 0.0\n")
-    return lambda: load_custom_reward(f, "score"), AttributeError, \
-        f"custom reward function 'score' not found in {f}"
+    from hybridengine.rl.rewards import build_reward, registered_rewards
+    return lambda: build_reward(f, "score"), ValueError, \
+        f"custom_reward_function.name='score': not a function in {f} nor a registered reward; " \
+        f"known: {', '.join(registered_rewards())}"
 
 
 def resume_path_missing(tmp):
@@ -706,3 +708,48 @@ def test_torchrun_two_ranks_say_an_error_once(tmp_path, case):
     assert f"traceback : {message}" in proc.stderr                  # in torchrun's summary
     frames = [ln for ln in proc.stderr.splitlines() if ln.lstrip().startswith('File "')]
     assert not [f for f in frames if "hybridengine" in f or "launch/ppo.py" in f], frames
+
+
+def _say_every_case(rank, world, tmp, out):
+    """Each catalogue case raised on both ranks and handed to launch/ppo.py's failure path."""
+    import contextlib
+    import importlib.util
+    import io
+    import torch.distributed as dist
+    spec = importlib.util.spec_from_file_location("launch_ppo", ROOT / "launch" / "ppo.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    said = {}
+    for case in CATALOGUE:
+        base = Path(tmp) / case.__name__
+        for turn in range(world):   # the same (deterministic) files, built by one rank at a time
+            if turn == rank:
+                shutil.rmtree(base, ignore_errors=True)
+                base.mkdir()
+                call, _, message = case(base)
+            dist.barrier()
+        buf, code = io.StringIO(), None
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the case's error, as launch sees it
+            with contextlib.redirect_stderr(buf):
+                try:
+                    launch._fail(e, rank, None)
+                except SystemExit as stop:
+                    code = stop.code
+        said[case.__name__] = (message, buf.getvalue(), code)
+        dist.barrier()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(said))
+
+
+@pytest.mark.multiproc
+def test_every_catalogue_error_is_said_once_at_two_ranks_with_exit_2(tmp_path):
+    from dist_utils import run_dist
+    (tmp_path / "cases").mkdir()
+    run_dist(_say_every_case, 2, str(tmp_path / "cases"), str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name in ranks[0]:
+        message = ranks[0][name][0]
+        printed = [r[name][1] for r in ranks if r[name][1]]
+        assert printed == [f"error: {message}\n"], (name, printed)     # once, one line
+        assert [r[name][2] for r in ranks] == [2, 2], name              # bad input on every rank
