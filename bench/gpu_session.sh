@@ -4,10 +4,11 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo megatron; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo steady steady2 megatron; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
-# .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl).
+# .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl);
+# steady and steady2 also the GSM8K test prompts (test.jsonl).
 set -u
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .whl/*.whl
@@ -66,6 +67,20 @@ for p in $parts; do case $p in
            fi ;;
   kernels) [ -f tools/bench_logprob.py ] && run logprob python3 tools/bench_logprob.py ;;
   megatron) run megatron python3 tools/bench_megatron.py ;;   # megatron-core wheel in .whl/
+  steady)  # issue 30, one GPU: GRPO 64 prompts x 8 on GSM8K prompt lengths, 3 + 17 steps,
+           # validation every 5: the CUDA defaults, then the same fast paths set by flags
+           data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl --gsm8k-test .benchdata/test.jsonl"
+           grpo="--workload seed --algo grpo --warmup 3 --steps 17 --val-every 5 --set data.train_batch_size=64"
+           T=${T:-580} run grpo_defaults python3 tools/bench_ppo.py $grpo --defaults $data
+           T=${T:-580} run grpo_flags python3 tools/bench_ppo.py $grpo --train-compile --rollout-compile --max-tokens 8192 $data ;;
+  steady2) # issue 30, two GPUs: the same run through torchrun, actor tp 2 -> rollout tp 1
+           data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl --gsm8k-test .benchdata/test.jsonl"
+           python3 tools/bench_ppo.py --prepare /tmp/steady2 --workload seed --algo grpo --defaults --warmup 3 --steps 17 \
+             --val-every 5 --set data.train_batch_size=64 --set actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 $data
+           eval "set -- $(cat /tmp/steady2/overrides.txt)"
+           timeout "${T:-580}" torchrun --nproc_per_node=2 launch/ppo.py "$@" > "$RES/grpo_defaults_2gpu.log" 2>&1
+           echo "torchrun rc=$?" | tee -a "$RES/session.log"
+           run grpo_defaults_2gpu python3 tools/bench_ppo.py --summarize /tmp/steady2/out/metrics.jsonl --warmup 3 ;;
   ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            fast="--train-compile --rollout-compile --max-tokens 8192"
            T=${T:-600} run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile

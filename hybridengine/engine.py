@@ -87,9 +87,7 @@ class TrainEngine:
         self.cfg = self.model.cfg
         self.model.recompute_layers = recompute     # activation recomputation in train_step
         if compile_layers and self.device.type == "cuda":
-            # Per layer, dynamic shapes: packed micro-batches change T every call.
-            for layer in self.model.layers:
-                layer.compile(dynamic=True)
+            compile_decoder_layers(self.model)
         self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
         self.embedding_group = self._build_embedding_group()
         self.optimizer = None
@@ -266,3 +264,13 @@ def _mean(values: list, device) -> torch.Tensor:
         return torch.stack([v.reshape(()).to(device, torch.float64) for v in values]).mean()
     return torch.tensor(sum(float(v) for v in values) / len(values), dtype=torch.float64,
                         device=device)
+
+
+def compile_decoder_layers(model: Decoder, backend: str = "inductor") -> None:
+    """torch.compile each decoder layer of `model` in place (actor.use_torch_compile): per layer,
+    dynamic shapes (packed micro-batches change T every call). The layers share their code, so
+    a process compiles one graph per grad mode (forward-only, training) and layer setup (dtype,
+    TP / SP), whatever the micro-batches' lengths (tests/test_compile_bound.py). Tests pass
+    backend="aot_eager" to run the same setup on the CPU."""
+    for layer in model.layers:
+        layer.compile(dynamic=True, backend=backend)

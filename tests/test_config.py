@@ -30,6 +30,14 @@ VERL_COMMAND = """
 RECIPE = ["--config", "configs/gsm8k_qwen2_5_0_5b.yaml"]
 
 
+@pytest.fixture(autouse=True)
+def cpu_machine(monkeypatch):
+    """trainer.device=auto resolves to the CPU here, on a GPU machine too: these tests read the
+    CPU defaults (the CUDA ones: test_cuda_defaults_*)."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def _leaves(node, prefix=""):
     for key, value in node.items():
         if isinstance(value, dict):
@@ -226,24 +234,61 @@ def test_algorithm_presets_layer_over_the_recipe():
     assert layout.critic is None and layout.ref is None
 
 
-def test_fast_gpu_layer_matches_the_benchmark():
-    """configs/fast_gpu.yaml holds the settings tools/bench_ppo.py measures (bench/RESULTS.md)."""
+# the fast paths: the CUDA defaults (configs/cuda_defaults.yaml) and what follows from them
+FAST = {"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.use_torch_compile": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 8192, "critic.use_dynamic_bsz": True,
+        "critic.ppo_max_token_len_per_gpu": 8192, "critic.use_torch_compile": True,
+        "actor_rollout_ref.rollout.enforce_eager": False, "actor_rollout_ref.rollout.compile": True,
+        "actor_rollout_ref.rollout.compile_prefill": True,
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 16384,
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 8192}
+
+
+def test_cuda_defaults_are_the_benchmarked_fast_paths():
+    """On CUDA the defaults are the settings tools/bench_ppo.py measures (bench/RESULTS.md)."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     from bench_ppo import overrides
-    fast = load_config(RECIPE + ["--config", "configs/fast_gpu.yaml"])
+    fast = load_config(RECIPE + ["trainer.device=cuda"])
     validate_config(fast, world_size=1)
     args = SimpleNamespace(algo="ppo", workload="seed", rollout_compile=True, train_compile=True,
-                           max_tokens=8192, warmup=0, steps=1, profile=False)
+                           max_tokens=8192, warmup=0, steps=1, profile=False, defaults=False,
+                           val_every=0)
     bench = load_config(RECIPE + overrides(args, Path("m"), Path("d.jsonl"), Path("out")))
-    for key in ["actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.use_torch_compile",
-                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz",
-                "critic.ppo_max_token_len_per_gpu", "critic.use_torch_compile",
-                "actor_rollout_ref.rollout.enforce_eager", "actor_rollout_ref.rollout.compile",
-                "actor_rollout_ref.rollout.compile_prefill",
-                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]:
+    for key in FAST:
         assert OmegaConf.select(fast, key) == OmegaConf.select(bench, key), key
+
+
+def test_cuda_defaults_apply_under_the_run_own_keys(tmp_path, monkeypatch):
+    """trainer.device=auto with a GPU (faked here) or cuda: the CUDA defaults under every key
+    the run does not set (in a --config file or on the command line); cpu: none."""
+    import torch
+
+    def but_device(argv):
+        cfg = OmegaConf.to_container(load_config(RECIPE + argv))
+        del cfg["trainer"]["device"]
+        return cfg
+    cpu = but_device([])
+    assert cpu == but_device(["trainer.device=cpu"])
+    assert not cpu["actor_rollout_ref"]["rollout"]["compile"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fast = load_config(RECIPE)
+    assert but_device([]) == but_device(["trainer.device=cuda"]) != cpu
+    assert but_device(["trainer.device=cpu"]) == cpu
+    assert {key: OmegaConf.select(fast, key) for key in FAST} == FAST
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("actor_rollout_ref:\n  actor:\n    use_torch_compile: false\n")
+    own = load_config(RECIPE + ["--config", str(mine), "actor_rollout_ref.rollout.enforce_eager=true",
+                                "critic.ppo_max_token_len_per_gpu=4096"])
+    rollout = own.actor_rollout_ref.rollout
+    assert rollout.enforce_eager and rollout.compile and rollout.compile_prefill
+    assert not own.actor_rollout_ref.actor.use_torch_compile and not own.critic.use_torch_compile
+    assert own.critic.ppo_max_token_len_per_gpu == own.critic.forward_max_token_len_per_gpu == 4096
+    assert own.actor_rollout_ref.actor.use_dynamic_bsz and own.critic.use_dynamic_bsz
+    assert describe_layers(RECIPE) == ("defaults (configs/ppo_trainer.yaml) + CUDA defaults "
+                                       "(configs/cuda_defaults.yaml) + configs/gsm8k_qwen2_5_0_5b.yaml")
+    assert "CUDA" not in describe_layers(RECIPE + ["trainer.device=cpu"])
+    assert "CUDA" not in describe_layers(["--config", "configs/tiny.yaml"])   # device: cpu
 
 
 def _tp_pp(tp, pp):

@@ -7,23 +7,33 @@ weights, saved once as an HF directory with the Qwen2.5 tokenizer. Workloads:
          responses forced to 256 tokens (random weights rarely stop)
   fixed  512-token prompts + 256-token responses
 Batch: 256 sequences per step (PPO: 256 prompts; GRPO: 32 prompts x n=8), micro-batches packed
-to a token budget. JSON to stdout (per-step metrics of the timed steps, and their means);
-progress to stderr.
+to a token budget. JSON to stdout (per-step metrics of the timed steps, and their means; the
+steady state: median and slowest timed step, with its number; compile seconds per step,
+timing_s/compile); progress to stderr.
 
-    python tools/bench_ppo.py --workload seed --algo ppo [--steps 3 --warmup 1]
-        [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile]
-        [--offload grads,optimizer] [--profile] [--set KEY=VALUE ...]
+    python tools/bench_ppo.py --workload seed --algo ppo [--steps 10 --warmup 3]
+        [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile] [--defaults]
+        [--val-every K] [--offload grads,optimizer] [--profile] [--set KEY=VALUE ...]
 --rollout-compile compiles the rollout's decode step and prefill (rollout.compile{,_prefill}).
+--defaults leaves CUDA graphs, compilation and micro-batching to the config's defaults (on CUDA
+configs/cuda_defaults.yaml) instead of setting them from the flags above and --max-tokens.
+--val-every K validates (greedy, n = 1) on GSM8K test prompts after every K-th step, as the
+trainer's test_freq does (its seconds: "val_s").
 --offload moves those parts of the actor and critic to the host outside the phases that use
 them (megatron.*_offload, rl.residency); --profile runs one more step under torch.profiler and
 adds its kernel table per phase (tools/profiling.py) as "profile".
     python tools/bench_ppo.py --tiny          # CPU smoke run (stories260k, keyword prompts)
+    python tools/bench_ppo.py --prepare DIR [--workload ...]   # model + prompts in DIR, and
+        # DIR/overrides.txt: launch/ppo.py's arguments for the same run (torchrun, several GPUs)
+    python tools/bench_ppo.py --summarize DIR/metrics.jsonl [--warmup 3]   # its steady state
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -47,7 +57,7 @@ KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_ac
         "perf/gen_tokens_per_s", "perf/max_memory_allocated_gb", "perf/total_num_tokens",
         "timing_s/step", "timing_s/gen", "timing_s/reshard", "timing_s/reward",
         "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
-        "timing_s/update_critic", "timing_s/update_actor", "timing_s/offload",
+        "timing_s/update_critic", "timing_s/update_actor", "timing_s/offload", "timing_s/compile",
         "reshard/bytes_per_rank",
         "response_length/mean", "prompt_length/mean"]
 
@@ -93,10 +103,10 @@ def make_data(out: Path, workload: str, gsm8k: Path, num_rows: int) -> Path:
     return path
 
 
-def overrides(args, model_dir: Path, data: Path, out: Path) -> list[str]:
+def overrides(args, model_dir: Path, data: Path, out: Path, val: Path | None = None) -> list[str]:
     ppo = args.algo == "ppo"
     prompts = 256 if ppo else 32
-    ov = [f"data.train_files={data}", "data.val_files=null",
+    ov = [f"data.train_files={data}", f"data.val_files={val or 'null'}",
           f"data.train_batch_size={prompts}", "data.max_prompt_length=512",
           "data.max_response_length=256",
           f"data.truncation={'left' if args.workload == 'fixed' else 'error'}",
@@ -105,20 +115,22 @@ def overrides(args, model_dir: Path, data: Path, out: Path) -> list[str]:
           "actor_rollout_ref.rollout.ignore_eos=true",
           "actor_rollout_ref.rollout.max_num_seqs=256",
           "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
-          "actor_rollout_ref.rollout.enforce_eager=false",
-          f"actor_rollout_ref.rollout.compile={str(args.rollout_compile).lower()}",
-          f"actor_rollout_ref.rollout.compile_prefill={str(args.rollout_compile).lower()}",
-          f"actor_rollout_ref.actor.use_torch_compile={str(args.train_compile).lower()}",
           f"actor_rollout_ref.actor.ppo_mini_batch_size={64 if ppo else 32}",
-          "actor_rollout_ref.actor.use_dynamic_bsz=true",
-          f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_tokens}",
-          f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * args.max_tokens}",
-          "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+          "trainer.val_before_train=false", f"trainer.test_freq={args.val_every or -1}",
+          "trainer.save_freq=-1",
           f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile)}",
           f"trainer.default_local_dir={out}", "trainer.logger=['console']"]
+    if not args.defaults:
+        ov += ["actor_rollout_ref.rollout.enforce_eager=false",
+               f"actor_rollout_ref.rollout.compile={str(args.rollout_compile).lower()}",
+               f"actor_rollout_ref.rollout.compile_prefill={str(args.rollout_compile).lower()}",
+               f"actor_rollout_ref.actor.use_torch_compile={str(args.train_compile).lower()}",
+               "actor_rollout_ref.actor.use_dynamic_bsz=true",
+               f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_tokens}",
+               f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * args.max_tokens}"]
     if ppo:
-        ov += [f"critic.model.path={model_dir}", "algorithm.adv_estimator=gae",
-               f"critic.ppo_max_token_len_per_gpu={args.max_tokens}"]
+        ov += [f"critic.model.path={model_dir}", "algorithm.adv_estimator=gae"]
+        ov += [] if args.defaults else [f"critic.ppo_max_token_len_per_gpu={args.max_tokens}"]
     else:
         ov += ["--config", str(ROOT / "configs" / "grpo.yaml")]
     return ov
@@ -148,26 +160,70 @@ def extra_overrides(args) -> list[str]:
     return ov
 
 
+def steady_state(step_s: dict[int, float], after: int) -> dict:
+    """Median and slowest of the step times of steps > `after` (step number -> seconds), the
+    slowest step's number and its ratio to the median."""
+    timed = {k: v for k, v in step_s.items() if k > after}
+    if not timed:
+        return {}
+    values = sorted(timed.values())
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    slowest = max(timed, key=timed.get)
+    return {"after_step": after, "num_steps": len(timed), "median_s": median,
+            "slowest_s": timed[slowest], "slowest_step": slowest,
+            "slowest_over_median": timed[slowest] / median}
+
+
+def summarize(metrics_file: Path, after: int) -> dict:
+    """steady_state and compile seconds of a launch/ppo.py run (its metrics.jsonl)."""
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    step_s = {r["step"]: r["timing_s/step"] for r in rows if "timing_s/step" in r}
+    compile_s = {r["step"]: r["timing_s/compile"] for r in rows if "timing_s/compile" in r}
+    return {"metrics": str(metrics_file), "steady": steady_state(step_s, after),
+            "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
+            "step_s": step_s}
+
+
+def prepare(args, work: Path) -> tuple[list[str], Path]:
+    """The model, the prompts (and validation prompts) in `work`; the run's overrides."""
+    log("writing a random Qwen2.5-0.5B-shaped model and the prompts")
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = make_model(work / "model", Path(args.tokenizer))
+    data = make_data(work, args.workload, Path(args.gsm8k), num_rows=2048)
+    val = None
+    if args.val_every:
+        val = work / "val.jsonl"
+        rows = [json.loads(line) for line in Path(args.gsm8k_test).read_text().splitlines()]
+        val.write_text("".join(json.dumps(to_verl_row(r["question"], r["answer"], "test", i))
+                               + "\n" for i, r in enumerate(rows[:args.val_prompts])))
+    return overrides(args, model_dir, data, work / "out", val) + extra_overrides(args), model_dir
+
+
 def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench_ppo_"))
     if args.tiny:
         cfg = load_config(tiny_overrides(args, work / "out") + extra_overrides(args))
     else:
-        log("writing a random Qwen2.5-0.5B-shaped model and the prompts")
-        model_dir = make_model(work / "model", Path(args.tokenizer))
-        data = make_data(work, args.workload, Path(args.gsm8k), num_rows=2048)
-        cfg = load_config(overrides(args, model_dir, data, work / "out") + extra_overrides(args))
+        cfg = load_config(prepare(args, work)[0])
     os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
     trainer = Trainer(cfg, 1, 0)
     batches = iter(trainer.sampler)
-    steps = []
+    steps, step_s, compile_s, val_s = [], {}, {}, {}
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
+        step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
         log(f"step {step}: {time.perf_counter() - t0:.2f} s, "
-            f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU")
+            f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU"
+            + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else ""))
         if step > args.warmup:
             steps.append({k: m[k] for k in KEYS if k in m})
+        if args.val_every and step % args.val_every == 0:
+            t0 = time.perf_counter()
+            trainer.validate()
+            val_s[step] = time.perf_counter() - t0
+            log(f"validation after step {step}: {val_s[step]:.2f} s")
     profile = None
     if args.profile:
         profile = profile_ranges(
@@ -181,8 +237,14 @@ def run(args) -> dict:
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
             "algo": "grpo" if args.tiny else args.algo, "sequences_per_step":
                 cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n,
-            "rollout_compile": args.rollout_compile, "train_compile": args.train_compile,
-            "offload": args.offload, "overrides": args.set, "mean": mean, "steps": steps,
+            "rollout_compile": cfg.actor_rollout_ref.rollout.compile,
+            "compile_prefill": cfg.actor_rollout_ref.rollout.compile_prefill,
+            "train_compile": cfg.actor_rollout_ref.actor.use_torch_compile,
+            "cuda_graphs": not cfg.actor_rollout_ref.rollout.enforce_eager,
+            "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
+            "steady": steady_state(step_s, args.warmup), "step_s": step_s,
+            "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
+            "val_s": val_s, "mean": mean, "steps": steps,
             **({"profile": profile} if profile is not None else {})}
 
 
@@ -190,19 +252,38 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", choices=("seed", "fixed"), default="seed")
     ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch")
     ap.add_argument("--tokenizer", default=str(SHARED / "models" / "qwen2-tokenizer"))
     ap.add_argument("--gsm8k", default=str(SHARED / "data" / "gsm8k" / "train.jsonl"))
+    ap.add_argument("--gsm8k-test", default=str(SHARED / "data" / "gsm8k" / "test.jsonl"))
     ap.add_argument("--rollout-compile", action="store_true")
     ap.add_argument("--train-compile", action="store_true", help="compile the training layers")
+    ap.add_argument("--defaults", action="store_true",
+                    help="graphs, compilation and micro-batching from the config's defaults")
+    ap.add_argument("--val-every", type=int, default=0, help="validate every K steps (0: never)")
+    ap.add_argument("--val-prompts", type=int, default=256, help="GSM8K test prompts validated")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--offload", default="", help="comma list of params,grads,optimizer")
     ap.add_argument("--profile", action="store_true", help="kernel table per phase of a step")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more config override (repeatable)")
-    print(json.dumps(run(ap.parse_args())))
+    ap.add_argument("--prepare", metavar="DIR", help="write model, prompts, overrides; no steps")
+    ap.add_argument("--summarize", metavar="METRICS_JSONL", help="a launch/ppo.py run's steady "
+                                                                 "state (steps > --warmup)")
+    args = ap.parse_args()
+    if args.summarize:
+        print(json.dumps(summarize(Path(args.summarize), args.warmup)))
+    elif args.prepare:
+        work = Path(args.prepare).resolve()
+        argv, _ = prepare(args, work)
+        (work / "overrides.txt").write_text(" ".join(shlex.quote(a) for a in argv) + "\n")
+        print(work / "overrides.txt")
+    else:
+        with contextlib.redirect_stdout(sys.stderr):    # the trainer's lines: stdout is JSON
+            result = run(args)
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

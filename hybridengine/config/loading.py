@@ -2,8 +2,10 @@
 
 `load_config(argv)` starts from configs/ppo_trainer.yaml, merges each `--config FILE` (a partial
 tree) in order, then the `key=value` overrides (OmegaConf dotlist syntax: `a.b=[x,y]`, `a=null`,
-`a=${b}`; a Hydra-style leading `+` or `++` is tolerated). It returns a resolved, struct-mode
-DictConfig (reading a missing key raises) whose every leaf has the type of its default.
+`a=${b}`; a Hydra-style leading `+` or `++` is tolerated); on CUDA the device defaults
+(configs/cuda_defaults.yaml, config.device_defaults) go between the defaults and the run's own
+layers. It returns a resolved, struct-mode DictConfig (reading a missing key raises) whose every
+leaf has the type of its default.
 
 Errors are one line each: an unknown key names the nearest known key; a wrong type names key,
 value and expected type; an unknown choice lists the choices; a YAML syntax error gives file, line
@@ -22,6 +24,8 @@ from typing import Any, Iterator
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from hybridengine.config.device_defaults import CUDA_DEFAULTS_FILE, device_layers
 
 logger = logging.getLogger("hybridengine.config")
 
@@ -164,7 +168,8 @@ def load_config(argv: list[str]) -> DictConfig:
             continue
         trees.append(_accept(tree, "", leaves, sections, ignored, errors))
     _raise_all(errors)
-    cfg = OmegaConf.merge(defaults, *trees)
+    # the device's defaults (device_defaults) under the run's own layers
+    cfg = OmegaConf.merge(defaults, *device_layers(_device(defaults, trees)), *trees)
     if ignored:
         names = ", ".join(dict.fromkeys(ignored))
         logger.warning("ignoring verl keys that have no meaning in hybridengine: %s", names)
@@ -191,9 +196,37 @@ def describe_layers(argv: list[str]) -> str:
     shown = [str(f.resolve().relative_to(repo)) if f.resolve().is_relative_to(repo) else str(f)
              for f in files]
     layers = [f"defaults (configs/{DEFAULTS_FILE.name})", *shown]
+    if device_layers(_device(OmegaConf.load(DEFAULTS_FILE), _raw_trees(files, dotlist))):
+        layers.insert(1, f"CUDA defaults (configs/{CUDA_DEFAULTS_FILE.name})")
     if dotlist:
         layers.append(f"{len(dotlist)} command-line override{'s' * (len(dotlist) != 1)}")
     return " + ".join(layers)
+
+
+def _device(defaults: DictConfig, trees: list[dict]):
+    """trainer.device as the run's layers leave it; None where they cannot say (errors that
+    load_config reports)."""
+    try:
+        return OmegaConf.select(OmegaConf.merge(defaults, *trees), "trainer.device",
+                                throw_on_resolution_failure=False)
+    except OmegaConfBaseException:
+        return None
+
+
+def _raw_trees(files: list[Path], dotlist: list[str]) -> list[dict]:
+    """The run's layers as written, those that parse (describe_layers: no errors raised)."""
+    trees = []
+    for file in files:
+        try:
+            trees.append(_load_yaml(file))
+        except (ValueError, FileNotFoundError):
+            pass
+    for item in dotlist:
+        try:
+            trees.append(OmegaConf.to_container(OmegaConf.from_dotlist([item])))
+        except OmegaConfBaseException:
+            pass
+    return trees
 
 
 def _parse_argv(argv: list[str], errors: list[Exception]) -> tuple[list[Path], list[str]]:

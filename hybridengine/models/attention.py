@@ -161,12 +161,59 @@ class PackedCausalAttention:
                             window_size=(-1, 0), **kw)
 
     def _per_sequence(self, q, k, v):
+        if torch.compiler.is_compiling():
+            # one opaque op under torch.compile: reading the bounds (tolist) would break the
+            # graph, and the CPU compile tests would then see other graphs than CUDA's varlen
+            return per_sequence_attention(q, k, v, self.cu)
         if self._bounds is None:
             self._bounds = self.cu.tolist()
-        out = torch.empty_like(q)
-        gqa = k.shape[1] != q.shape[1]
-        for s, e in zip(self._bounds[:-1], self._bounds[1:]):
-            qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-            out[s:e] = o.squeeze(0).transpose(0, 1)
-        return out
+        return _per_sequence_attention(q, k, v, self._bounds)
+
+
+def _per_sequence_attention(q, k, v, bounds: list[int]) -> torch.Tensor:
+    """Causal SDPA of each packed sequence [bounds[i], bounds[i + 1]) of q [T, h_q, d],
+    k/v [T, h_kv, d] -> [T, h_q, d] (the CPU path of PackedCausalAttention)."""
+    out = torch.empty_like(q)
+    gqa = k.shape[1] != q.shape[1]
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        out[s:e] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+@torch.library.custom_op("hybridengine::per_sequence_attention", mutates_args=())
+def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu: torch.Tensor) -> torch.Tensor:
+    """_per_sequence_attention as an op (its backward recomputes: CPU tests only)."""
+    return _per_sequence_attention(q, k, v, cu.tolist())
+
+
+@per_sequence_attention.register_fake
+def _(q, k, v, cu):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("hybridengine::per_sequence_attention_backward", mutates_args=())
+def per_sequence_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                    v: torch.Tensor, cu: torch.Tensor) -> list[torch.Tensor]:
+    bounds = cu.tolist()
+    _, vjp = torch.func.vjp(lambda *qkv: _per_sequence_attention(*qkv, bounds), q, k, v)
+    return list(vjp(grad))
+
+
+@per_sequence_attention_backward.register_fake
+def _(grad, q, k, v, cu):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+
+
+def _per_sequence_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _per_sequence_grad(ctx, grad):
+    q, k, v, cu = ctx.saved_tensors
+    return (*per_sequence_attention_backward(grad, q, k, v, cu), None)
+
+
+per_sequence_attention.register_autograd(_per_sequence_grad, setup_context=_per_sequence_setup)

@@ -9,6 +9,10 @@ The rollout backend is actor_rollout_ref.rollout.name: `builtin` (rollout.Engine
 generation Decoder itself; replicas are the gen-DP groups of the HybridFlow layout) or `vllm`
 (rollout.vllm.VllmRollout, a vLLM engine loaded from the generation Decoder every step; replicas
 are blocks of t_g consecutive ranks, vLLM's layout).
+
+pop_metrics() also reports the process's torch.compile time since its last call (rollout and
+training layers alike: hybridengine.compiling.CompileWatch) as timing_s/compile, and prints one
+warning line (rank 0) per compilation after the first step, with the guard that failed.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from hybridengine.compiling import CompileWatch
 from hybridengine.hybrid.reshard import HybridEngine
 from hybridengine.parallel.mesh import build_gen_mesh
 from hybridengine.parallel.tensor import all_gather_dim0
@@ -64,6 +69,7 @@ class Generator:
         self.bucket_mb = bucket_mb
         self.residency = residency          # rl.residency.Residency: actor param_offload
         self.engine: Engine | VllmRollout | None = None
+        self.compile_watch = CompileWatch(warmup_polls=1)   # the first step compiles
 
     def _replica(self, rank: int) -> tuple[int, int]:
         """(replica index, TP rank inside it) of a global rank, for this backend. Both backends
@@ -165,4 +171,12 @@ class Generator:
         return Generated(out_ids, out_lp, out_fin, total, 0.0)
 
     def pop_metrics(self) -> dict:
-        return self.hybrid.pop_metrics()
+        out = self.hybrid.pop_metrics()
+        compiled = self.compile_watch.poll()
+        if compiled.seconds:
+            out["timing_s/compile"] = compiled.seconds
+        if self.mesh.rank == 0:
+            for line in compiled.late:
+                print(f"warning: torch.compile compiled again after the first step: {line}",
+                      flush=True)
+        return out

@@ -15,6 +15,23 @@ the step it just launched; a finished row stays in the next step, inactive (noth
 computes is kept). When the host frees a finished slot, `collect` copies the slot's outputs
 to the result buffers (in stream order, before any prefill reuses the slot); `results` moves
 them to the host once per generate call.
+
+Compiled steps (compile / compile_prefill) compile a bounded set of graphs, all in the first
+generate call, whatever the prompt lengths, batch sizes, sampler modes, max_tokens or slot
+counts that follow (tests/test_compile_bound.py):
+
+    decode forward          1   rows marked dynamic: every graph bucket; slot count dynamic
+    random-stream hashing   1   dynamic=True (prefill and decode rows alike)
+    commit                  1   dynamic=True
+    prefill forward         1   per attention form: varlen, and dense when prefill_attention
+                                is dense (the other form is compiled at the first prefill)
+
+so at most MAX_COMPILED_GRAPHS; without CUDA graphs (enforce_eager) the decode forward adds one
+at its second step, when its key bound max_k turns dynamic. What keeps the set bounded: no
+duck sizing (compiling.compile_fn); no dimension of size 1 (decode buckets start at 2; a
+one-prompt prefill gets a 1-token dummy prompt and row in the scratch slot); one form of every
+input (a pad index even where no prompt is padded; sampler outputs are never views; a
+prefill's slots sit at offset 0 of its index buffer, as the decode step's rows do).
 """
 from __future__ import annotations
 
@@ -25,6 +42,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from hybridengine.compiling import compile_fn
 from hybridengine.kernels.decode_attention import pdl_supported
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0, group_size
@@ -45,6 +63,8 @@ DENSE_MAX_PADDING = 1.5
 # -> 1.771 ms/step (bench/RESULTS.md 2026-11-30 session 7). A module switch for benchmarks; read
 # when a runner is built.
 PDL = True
+# graphs the compiled steps compile in a process (module docstring)
+MAX_COMPILED_GRAPHS = 5
 
 
 def _inductor_options(device: torch.device, decode: bool) -> dict:
@@ -125,22 +145,23 @@ class ModelRunner:
                 {"backend": compile if isinstance(compile, str) else "inductor"}
             if how.get("backend") == "inductor":
                 how["options"] = _inductor_options(self.device, decode=True)
-            self._decode_body = torch.compile(self._decode_hidden, **how)
-            self._uniforms = torch.compile(uniforms, dynamic=True, **how)
-            self._commit_rows = torch.compile(self._commit, dynamic=True, **how)
+            self._decode_body = compile_fn(self._decode_hidden, **how)
+            self._uniforms = compile_fn(uniforms, dynamic=True, **how)
+            self._commit_rows = compile_fn(self._commit, dynamic=True, **how)
         # Optionally the prefill forward too (dynamic shapes: every prefill packs a different
         # number of tokens and prompts). A failure to compile falls back to eager, once.
         # "cpp-wrapper": inductor launches the kernels from C++ instead of Python (a benchmark
         # variant; on an H200 it gained nothing measurable: prefill 0.241 against 0.243 s, with
         # 110 against 60 s of warm-up; bench/RESULTS.md 2026-11-30 session 6, call 1).
         self._prefill_body, self.prefill_compiled = self._prefill_hidden, bool(compile_prefill)
+        self._prefill_forms_compiled = False
         options = _inductor_options(self.device, decode=False)
         if compile_prefill == "cpp-wrapper":
-            self._prefill_body = torch.compile(self._prefill_hidden, dynamic=True,
-                                               options={"cpp_wrapper": True, **options})
+            self._prefill_body = compile_fn(self._prefill_hidden, dynamic=True,
+                                            options={"cpp_wrapper": True, **options})
         elif compile_prefill:
             backend = compile_prefill if isinstance(compile_prefill, str) else "inductor"
-            self._prefill_body = torch.compile(
+            self._prefill_body = compile_fn(
                 self._prefill_hidden, backend=backend, dynamic=True,
                 **({"options": options} if backend == "inductor" and options else {}))
         c = model.cfg
@@ -199,9 +220,18 @@ class ModelRunner:
         self.buckets = graph_buckets(S)
         if self.compiled and S > 1:       # torch.compile specialises size 1: pad it to 2
             self.buckets = self.buckets[1:]
+        if self.compiled or self.prefill_compiled:
+            # the slot count follows the memory free at each allocation (after free()): the
+            # compiled steps take any, instead of compiling again for a new one
+            for t in (*self.cache.k, *self.cache.v, *self._slot_state()):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         self.graphs: dict = {}
         self._graph_pool = None
         self._uploaded_rows: list[int] | None = None
+
+    def _slot_state(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.counts, self.max_gen, self.keys, self.active,
+                self.out_tok, self.out_lp, self.out_slp]
 
     def free(self) -> None:
         """Release the cache, the state and the graphs (they point into the cache)."""
@@ -316,19 +346,17 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> Pending:
         """Prefill each distinct prompt once, write its K/V into every sample's row, sample
         each sequence's first token."""
-        plan, max_len = _prefill_plan(seqs, self.vocab_size)
-        num_prompts, num_tokens = len(plan["cu"]) - 1, int(plan["cu"][-1])
-        # the dense prefill attention while padding costs at most half the tokens again
-        dense = self.prefill_attention == "dense" and \
-            num_prompts * max_len <= DENSE_MAX_PADDING * num_tokens
-        if dense and num_prompts * max_len != num_tokens:
-            plan["pad_index"] = np.repeat(np.arange(num_prompts) * max_len,
-                                          np.diff(plan["cu"])) + plan["positions"]
-        t = self._h2d_arrays(plan)             # one host-to-device copy for every index list
-        packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
-        ctx = PrefillContext(self.cache, self.model.layer_start, packed, t["src"],
-                             t["dst_slot"], t["dst_pos"],
-                             (num_prompts, max_len, t.get("pad_index")) if dense else None)
+        real = len(seqs)
+        if (self.compiled or self.prefill_compiled) and \
+                len({s.prompt_index for s in seqs}) == 1:
+            # a compiled step specialises a dimension of size 1 (one prompt, one row, one
+            # token) and compiles again for it: a 1-token dummy prompt with one row in the
+            # scratch slot keeps every size >= 2
+            seqs = seqs + [Sequence(-1, -1, [0], 0, 0, self.cache.scratch_slot)]
+        t, packed, ctx = self._prefill_inputs(seqs)
+        if self.prefill_compiled and self.prefill_attention == "dense" and \
+                not self._prefill_forms_compiled:
+            self._compile_other_form(seqs, dense=ctx.dense is None)
         slots = t["slots"]
         # the last prompt token is the "current" one: the commit moves each row to the first
         # generated token's position, len(prompt)
@@ -340,13 +368,46 @@ class ModelRunner:
         # queue at every prefill (2 stream synchronisations per prefill on an H200 trace,
         # bench/RESULTS.md 2026-11-30 session 6)
         self.counts.index_fill_(0, slots, 0)
-        self.active.index_fill_(0, slots, True)
+        self.active.index_fill_(0, slots[:real], True)         # (not the dummy's scratch row)
         with torch.no_grad(), record_function("prefill"):
             h = self._prefill_forward(packed, ctx)                             # [T, H]
             h = h.index_select(0, t["last"])                                   # [prompts, H]
             h = h.index_select(0, t["row_prompt"])                             # [seqs, H]
             fin = self._sample_and_commit(slots, t["last_pos"], h)   # = positions[slots]
-        return Pending([s.slot for s in seqs], fin)
+        return Pending([s.slot for s in seqs[:real]], fin[:real])
+
+    def _prefill_inputs(self, seqs: list[Sequence], dense: bool | None = None):
+        """(device index arrays, PackedInput, PrefillContext) of a prefill. dense: the dense
+        attention; None: when prefill_attention is dense and padding costs at most
+        DENSE_MAX_PADDING times the tokens."""
+        plan, max_len = _prefill_plan(seqs, self.vocab_size)
+        num_prompts, num_tokens = len(plan["cu"]) - 1, int(plan["cu"][-1])
+        if dense is None:
+            dense = self.prefill_attention == "dense" and \
+                num_prompts * max_len <= DENSE_MAX_PADDING * num_tokens
+        # (compiled, a pad index even where no prompt is padded: no second dense graph)
+        if dense and (self.prefill_compiled or num_prompts * max_len != num_tokens):
+            plan["pad_index"] = np.repeat(np.arange(num_prompts) * max_len,
+                                          np.diff(plan["cu"])) + plan["positions"]
+        t = self._h2d_arrays(plan)             # one host-to-device copy for every index list
+        packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
+        ctx = PrefillContext(self.cache, self.model.layer_start, packed, t["src"],
+                             t["dst_slot"], t["dst_pos"],
+                             (num_prompts, max_len, t.get("pad_index")) if dense else None)
+        return t, packed, ctx
+
+    def _compile_other_form(self, seqs: list[Sequence], dense: bool) -> None:
+        """Compile the prefill form (dense or varlen attention) this prefill does not take, at
+        the first prefill, on the sequences of its first two prompts: which form a prefill
+        takes depends on its prompts' lengths, and a form first met mid-run would stall that
+        step for a whole compilation. Runs before the prefill itself, which then writes the
+        same K/V rows again."""
+        self._prefill_forms_compiled = True
+        first = set(list(dict.fromkeys(s.prompt_index for s in seqs))[:2])
+        _, packed, ctx = self._prefill_inputs([s for s in seqs if s.prompt_index in first],
+                                              dense)
+        with torch.no_grad():
+            self._prefill_forward(packed, ctx)
 
     def _h2d_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """int64 host arrays on the device through one pinned, non-blocking copy (views)."""
@@ -383,15 +444,20 @@ class ModelRunner:
                 else:
                     self._decode_step(bucket, self.max_model_len)
             else:
-                self.row_slots[:B].copy_(self._h2d(slots))
-                self._decode_step(B, max_k)
+                # compiled: one scratch row with a lone sequence (size 1 would compile again)
+                pad = self.compiled and B == 1 < self.num_slots
+                rows = slots + [self.cache.scratch_slot] * pad
+                self.row_slots[:len(rows)].copy_(self._h2d(rows))
+                self._decode_step(len(rows), max_k)
         return Pending(slots, self.step_fin[:B])
 
     def _decode_step(self, B: int, max_k: int) -> None:
-        slots = self.row_slots[:B]
+        slots, body_slots = self.row_slots[:B], self.row_slots[:B]
         if self.compiled and B > 1:
-            torch._dynamo.mark_dynamic(slots, 0)
-        h = self._decode_body(slots, max_k)
+            # the decode body's own view: the sampler's compiled steps (dynamic=True) see an
+            # unmarked one, as from the prefill, so they compile once for both callers
+            torch._dynamo.mark_dynamic(body_slots, 0)
+        h = self._decode_body(body_slots, max_k)
         # the forward only writes the cache: positions still hold this step's values
         self.step_fin[:B] = self._sample_and_commit(slots, self.positions[slots], h)
 
@@ -465,7 +531,9 @@ def _prefill_plan(seqs: list[Sequence], vocab_size: int) -> tuple[dict[str, np.n
     per_seq = {"slots": [s.slot for s in seqs], "last_pos": [len(s.prompt) - 1 for s in seqs],
                "keys": [s.key for s in seqs], "max_gen": [s.max_gen for s in seqs],
                "row_prompt": [group_of[s.seq_id] for s in seqs]}
-    plan = {"ids": ids, "positions": positions, "cu": cu, "src": src, "dst_slot": dst_slot,
-            "dst_pos": dst_pos, "last": cu[1:] - 1,
-            **{k: np.array(v, dtype=np.int64) for k, v in per_seq.items()}}
+    # slots first: at offset 0 of the runner's host-to-device buffer, as the decode step's
+    # rows (the compiled commit takes both, and compiles again for a storage offset of 0 / 1)
+    plan = {**{k: np.array(v, dtype=np.int64) for k, v in per_seq.items()}, "ids": ids,
+            "positions": positions, "cu": cu, "src": src, "dst_slot": dst_slot,
+            "dst_pos": dst_pos, "last": cu[1:] - 1}
     return plan, int(lens.max())

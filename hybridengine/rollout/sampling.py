@@ -189,4 +189,6 @@ def sample_torch(logits: torch.Tensor, mode: SamplerMode, temperature: torch.Ten
     tok = inverse_cdf(q, u)                                                 # [B, 1]
     logprob = probs.gather(1, tok).squeeze(1).log()
     sampled = q.gather(1, tok).squeeze(1).log() if processed else logprob.clone()
-    return tok.squeeze(1), logprob, sampled
+    # a copy, not a view: every mode returns fresh tensors (under torch.compile a view input
+    # guards on its base, so a view here and argmax's fresh tensor compiled twice)
+    return torch.squeeze_copy(tok, 1), logprob, sampled
