@@ -143,6 +143,16 @@ def rollout_tp_does_not_divide_actor_tp_pp(tmp):
         "the generation layout has d_g = tp*pp/t_g replicas per training replica"
 
 
+def rollout_tp_over_actor_tp_with_pp(tmp):
+    cfg = _tiny("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    return lambda: validate_config(cfg, 2), ValueError, \
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2 must divide actor " \
+        "tensor_model_parallel_size=1 (a generation TP shard is made of whole training TP " \
+        "shards; pipeline stages are not split across it)"
+
+
 def batch_not_multiple_of_mini_batch(tmp):
     cfg = _tiny("actor_rollout_ref.actor.ppo_mini_batch_size=6",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
@@ -347,7 +357,8 @@ CATALOGUE = [
     jsonl_line_not_json, prompt_too_long_truncation_error, every_prompt_filtered,
     unknown_config_key, wrong_type_for_key, unknown_choice, tp_does_not_divide_heads,
     tp_does_not_divide_kv_heads, tp_pp_does_not_divide_world,
-    rollout_tp_does_not_divide_actor_tp_pp, batch_not_multiple_of_mini_batch,
+    rollout_tp_does_not_divide_actor_tp_pp, rollout_tp_over_actor_tp_with_pp,
+    batch_not_multiple_of_mini_batch,
     mini_batch_does_not_split_over_dp, model_dir_without_config, corrupt_safetensors,
     unsupported_model_type, tokenizer_missing, reward_function_raises, reward_not_finite,
     reward_file_missing, reward_function_name_missing, resume_path_missing,

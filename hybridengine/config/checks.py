@@ -85,6 +85,12 @@ def derive_layout(cfg: DictConfig, world_size: int) -> EngineLayout:
         raise ValueError(f"{_R}tensor_model_parallel_size={rollout_tp} must divide actor tp*pp = "
                          f"{actor.tp}*{actor.pp}: the generation layout has d_g = tp*pp/t_g replicas "
                          f"per training replica")
+    if actor.tp % rollout_tp:
+        # HybridFlow would allow it (micro-DP t*p/t_g); our reshard plan builds a generation
+        # shard from whole training TP shards, so refuse before any weight loads
+        raise ValueError(f"{_R}tensor_model_parallel_size={rollout_tp} must divide actor "
+                         f"tensor_model_parallel_size={actor.tp} (a generation TP shard is made of "
+                         f"whole training TP shards; pipeline stages are not split across it)")
     return EngineLayout(world_size, actor, ref, critic, rollout_tp)
 
 
