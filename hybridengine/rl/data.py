@@ -49,6 +49,30 @@ def to_verl_row(question: str, answer: str, split: str, index: int) -> dict[str,
 
 # ----------------------------------------------------------------------------- loading
 
+def convert_jsonl(src: Path, dst: Path, make_row, fields: tuple[str, ...], what: str,
+                  limit: int | None = None) -> int:
+    """Write the verl-row parquet ``dst`` from a raw jsonl ``src`` (the tools/data converters):
+    ``make_row(*[example[f] for f in fields], index)`` per non-empty line, the first ``limit``.
+    Returns the number of rows; a bad line is one error naming the file and line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = []
+    with Path(src).open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                example = json.loads(line)
+                rows.append(make_row(*[example[k] for k in fields], len(rows)))
+            except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+                raise ValueError(f"{src}:{line_no}: not a {what} {{{', '.join(fields)}}} line "
+                                 f"({type(e).__name__}: {e})") from None
+    pq.write_table(pa.Table.from_pylist(rows), dst)
+    return len(rows)
+
+
 def _read_jsonl(file: Path) -> list[dict[str, Any]]:
     rows = []
     with file.open("rb") as f:

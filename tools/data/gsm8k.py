@@ -10,39 +10,22 @@ checkout without installing the package.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 try:
-    from hybridengine.rl.data import to_verl_row
+    from hybridengine.rl.data import convert_jsonl, to_verl_row
 except ImportError:  # a source checkout, not installed: the repo root is two levels up
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from hybridengine.rl.data import to_verl_row
+    from hybridengine.rl.data import convert_jsonl, to_verl_row
 
 SPLITS = ("train", "test")
 
 
 def convert_split(src: Path, dst: Path, split: str, limit: int | None) -> int:
     """Write ``dst`` from the GSM8K jsonl ``src``; returns the number of rows written."""
-    rows = []
-    with src.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-                rows.append(to_verl_row(example["question"], example["answer"], split, len(rows)))
-            except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
-                raise ValueError(f"{src}:{line_no}: not a GSM8K {{question, answer}} line "
-                                 f"({type(e).__name__}: {e})") from None
-    pq.write_table(pa.Table.from_pylist(rows), dst)
-    return len(rows)
+    return convert_jsonl(src, dst, lambda q, a, i: to_verl_row(q, a, split, i),
+                         ("question", "answer"), "GSM8K", limit)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,18 +14,16 @@ boxed MATH scorer. Runs from a source checkout without installing the package.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 try:
+    from hybridengine.rl.data import convert_jsonl
     from hybridengine.rl.rewards_verl import last_boxed_only_string, remove_boxed
 except ImportError:  # a source checkout, not installed: the repo root is two levels up
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from hybridengine.rl.data import convert_jsonl
     from hybridengine.rl.rewards_verl import last_boxed_only_string, remove_boxed
 
 SPLITS = ("train", "test")
@@ -50,22 +48,8 @@ def to_math_row(problem: str, solution: str, split: str, index: int,
 
 def convert_split(src: Path, dst: Path, split: str, data_source: str, limit: int | None) -> int:
     """Write ``dst`` from the MATH jsonl ``src``; returns the number of rows written."""
-    rows = []
-    with src.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-                rows.append(to_math_row(example["problem"], example["solution"], split, len(rows),
-                                        data_source))
-            except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
-                raise ValueError(f"{src}:{line_no}: not a MATH {{problem, solution}} line "
-                                 f"({type(e).__name__}: {e})") from None
-    pq.write_table(pa.Table.from_pylist(rows), dst)
-    return len(rows)
+    return convert_jsonl(src, dst, lambda p, sol, i: to_math_row(p, sol, split, i, data_source),
+                         ("problem", "solution"), "MATH", limit)
 
 
 def main(argv: list[str] | None = None) -> None:
