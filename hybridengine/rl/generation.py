@@ -11,7 +11,8 @@ generation Decoder itself; replicas are the gen-DP groups of the HybridFlow layo
 are blocks of t_g consecutive ranks, vLLM's layout).
 
 pop_metrics() also reports the process's torch.compile time since its last call (rollout and
-training layers alike: hybridengine.compiling.CompileWatch) as timing_s/compile, and prints one
+training layers alike: hybridengine.compiling.CompileWatch; 0 when nothing compiled, a vLLM
+engine's own compilations included) as timing_s/compile, and prints one
 warning line (rank 0) per compilation after the first step, with the guard that failed.
 """
 from __future__ import annotations
@@ -173,8 +174,7 @@ class Generator:
     def pop_metrics(self) -> dict:
         out = self.hybrid.pop_metrics()
         compiled = self.compile_watch.poll()
-        if compiled.seconds:
-            out["timing_s/compile"] = compiled.seconds
+        out["timing_s/compile"] = compiled.seconds    # every step: the same keys, run to run
         if self.mesh.rank == 0:
             for line in compiled.late:
                 print(f"warning: torch.compile compiled again after the first step: {line}",
