@@ -6,7 +6,8 @@ and parallel layout that need the world size (checks).
 """
 from hybridengine.config.checks import (EngineLayout, RoleLayout, derive_layout, uses_critic,
                                         uses_reference, validate_config)
-from hybridengine.config.loading import DEFAULTS_FILE, ConfigError, describe_layers, load_config
+from hybridengine.config.errors import ConfigError
+from hybridengine.config.loading import DEFAULTS_FILE, describe_layers, load_config
 
 __all__ = ["DEFAULTS_FILE", "ConfigError", "EngineLayout", "RoleLayout", "derive_layout",
            "describe_layers", "load_config", "uses_critic", "uses_reference", "validate_config"]

@@ -14,7 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R, ConfigError
+from hybridengine.config.errors import ConfigError
+from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R
 
 
 # ----------------------------------------------------------------------------- layout

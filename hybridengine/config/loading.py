@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridengine.config.device_defaults import CUDA_DEFAULTS_FILE, device_layers
+from hybridengine.config.errors import raise_all
 
 logger = logging.getLogger("hybridengine.config")
 
@@ -127,27 +128,10 @@ MAPPING_KEYS = frozenset(k for k, (kind, _) in SPECS.items() if kind.startswith(
 # ----------------------------------------------------------------------------- loading
 
 
-class ConfigError(ValueError):
-    """Several config errors at once: the message holds one line per error."""
-
-    def __init__(self, errors: list[str]):
-        super().__init__("\n".join(errors))
-        self.errors = errors
-
-
-def _raise_all(errors: list[Exception]) -> None:
-    """Nothing when `errors` is empty; the error itself when there is one (its type kept);
-    else one ConfigError listing them all."""
-    if len(errors) == 1:
-        raise errors[0]
-    if errors:
-        raise ConfigError([str(e) for e in errors])
-
-
 def load_config(argv: list[str]) -> DictConfig:
     """Defaults <- each --config FILE (in order) <- key=value overrides (in order, after all
     files, wherever they stand in argv); typed, resolved, struct mode. Every error of argv and
-    the files is collected before raising (`_raise_all`)."""
+    the files is collected before raising (`raise_all`)."""
     errors: list[Exception] = []
     files, dotlist = _parse_argv(argv, errors)
     defaults = OmegaConf.load(DEFAULTS_FILE)
@@ -167,7 +151,7 @@ def load_config(argv: list[str]) -> DictConfig:
             errors.append(ValueError(f"bad override {item!r}: {_first_line(e)}"))
             continue
         trees.append(_accept(tree, "", leaves, sections, ignored, errors))
-    _raise_all(errors)
+    raise_all(errors)
     # the device's defaults (device_defaults) under the run's own layers
     cfg = OmegaConf.merge(defaults, *device_layers(_device(defaults, trees)), *trees)
     if ignored:
@@ -182,7 +166,7 @@ def load_config(argv: list[str]) -> DictConfig:
             _set(resolved, key, _typed(key, value, leaves[key]))
         except ValueError as e:
             errors.append(e)
-    _raise_all(errors)
+    raise_all(errors)
     out = OmegaConf.create(resolved)
     OmegaConf.set_struct(out, True)
     return out

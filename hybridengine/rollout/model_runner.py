@@ -35,7 +35,6 @@ prefill's slots sit at offset 0 of its index buffer, as the decode step's rows d
 """
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
@@ -49,14 +48,12 @@ from hybridengine.parallel.tensor import all_gather_dim0, group_size
 from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resolve_backend,
                                             resolve_prefill_attention)
 from hybridengine.rollout.kv_cache import KVCache, kv_bytes_per_token, plan_num_slots
+from hybridengine.rollout.prefill_plan import add_pad_index, dense_pays, prefill_plan
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample, uniforms
 from hybridengine.rollout.scheduler import Sequence
 
 logger = logging.getLogger(__name__)
 
-# the dense prefill attention runs while the padded prompts hold at most this many times the
-# prompt tokens; beyond, the varlen kernel
-DENSE_MAX_PADDING = 1.5
 # Programmatic dependent launch (Hopper and later): inductor's Triton kernels in the compiled
 # steps are launched so that each may be scheduled while the kernel before it drains, and wait
 # on the device (griddepcontrol) before touching its output. Measured on an H200: decode 1.828
@@ -378,17 +375,13 @@ class ModelRunner:
 
     def _prefill_inputs(self, seqs: list[Sequence], dense: bool | None = None):
         """(device index arrays, PackedInput, PrefillContext) of a prefill. dense: the dense
-        attention; None: when prefill_attention is dense and padding costs at most
-        DENSE_MAX_PADDING times the tokens."""
-        plan, max_len = _prefill_plan(seqs, self.vocab_size)
-        num_prompts, num_tokens = len(plan["cu"]) - 1, int(plan["cu"][-1])
+        attention; None: when prefill_attention is dense and the padding pays (dense_pays)."""
+        plan, max_len = prefill_plan(seqs, self.vocab_size)
         if dense is None:
-            dense = self.prefill_attention == "dense" and \
-                num_prompts * max_len <= DENSE_MAX_PADDING * num_tokens
-        # (compiled, a pad index even where no prompt is padded: no second dense graph)
-        if dense and (self.prefill_compiled or num_prompts * max_len != num_tokens):
-            plan["pad_index"] = np.repeat(np.arange(num_prompts) * max_len,
-                                          np.diff(plan["cu"])) + plan["positions"]
+            dense = self.prefill_attention == "dense" and dense_pays(plan, max_len)
+        if dense:    # (compiled: a pad index even where no prompt is padded: one dense graph)
+            add_pad_index(plan, max_len, always=self.prefill_compiled)
+        num_prompts = len(plan["cu"]) - 1
         t = self._h2d_arrays(plan)             # one host-to-device copy for every index list
         packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
         ctx = PrefillContext(self.cache, self.model.layer_start, packed, t["src"],
@@ -496,44 +489,3 @@ class ModelRunner:
             self._graph_pool = graph.pool()
         self.graphs[key] = graph
         return graph
-
-
-def _prefill_plan(seqs: list[Sequence], vocab_size: int) -> tuple[dict[str, np.ndarray], int]:
-    """Host-side int64 index arrays of a prefill, and the longest prompt: the packed distinct
-    prompts (ids, positions, cu); for every sequence's cache row the packed token each position
-    copies (src -> (dst_slot, dst_pos)); the last token of each prompt; per sequence its prompt
-    (row_prompt), slot, last prompt position, random key and token budget. Built with numpy
-    from the prompts' lengths: only the token ids pass through Python one by one; a token id
-    outside [0, vocab_size) raises a ValueError naming its prompt."""
-    groups: dict[int, list[Sequence]] = {}
-    for s in seqs:
-        groups.setdefault(s.prompt_index, []).append(s)
-    members = list(groups.values())
-    lens = np.array([len(m[0].prompt) for m in members], dtype=np.int64)
-    cu = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu[1:])
-    total = int(cu[-1])
-    ids = np.fromiter(itertools.chain.from_iterable(m[0].prompt for m in members), np.int64,
-                      total)
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-    if bad.size:
-        m = members[int(np.searchsorted(cu, bad[0], side="right")) - 1][0]
-        raise ValueError(f"prompt {m.prompt_index} has token id {ids[bad[0]]} outside the "
-                         f"vocabulary [0, {vocab_size})")
-    positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lens)
-    row_group = np.array([g for g, m in enumerate(members) for _ in m], dtype=np.int64)
-    row_len = lens[row_group]
-    dst_pos = np.arange(int(row_len.sum()), dtype=np.int64) - \
-        np.repeat(np.cumsum(row_len) - row_len, row_len)
-    src = np.repeat(cu[:-1][row_group], row_len) + dst_pos
-    dst_slot = np.repeat(np.array([s.slot for m in members for s in m], dtype=np.int64), row_len)
-    group_of = {s.seq_id: g for g, m in enumerate(members) for s in m}
-    per_seq = {"slots": [s.slot for s in seqs], "last_pos": [len(s.prompt) - 1 for s in seqs],
-               "keys": [s.key for s in seqs], "max_gen": [s.max_gen for s in seqs],
-               "row_prompt": [group_of[s.seq_id] for s in seqs]}
-    # slots first: at offset 0 of the runner's host-to-device buffer, as the decode step's
-    # rows (the compiled commit takes both, and compiles again for a storage offset of 0 / 1)
-    plan = {**{k: np.array(v, dtype=np.int64) for k, v in per_seq.items()}, "ids": ids,
-            "positions": positions, "cu": cu, "src": src, "dst_slot": dst_slot,
-            "dst_pos": dst_pos, "last": cu[1:] - 1}
-    return plan, int(lens.max())
