@@ -60,7 +60,11 @@ class RolloutCollector:
 
     def _score(self, batch: Batch) -> dict[str, list]:
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        prompts = self.tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
+        # each prompt once (its n samples share it), for batch rewards that read prompts
+        first = {g: i for i, g in reversed(list(enumerate(batch.group)))}
+        text = dict(zip(first, self.tokenizer.batch_decode(
+            [batch.prompt_ids[i] for i in first.values()], skip_special_tokens=True)))
+        prompts = [text[g] for g in batch.group]
         scores, extras = score_batch(texts, batch.data_source, batch.ground_truth,
                                      batch.extra_info, fn=self.reward_fn, prompts=prompts)
         scores = torch.tensor(scores, dtype=torch.float32)

@@ -86,6 +86,8 @@ class Trainer:
         with self.phases.enter("setup"):
             self._build_roles()
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
+        self.rollout_correction = RolloutCorrectionConfig.from_config(
+            cfg.algorithm.rollout_correction)
         self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn)
         self.peak = peak_flops() if self.device.type == "cuda" else None
 
@@ -176,8 +178,7 @@ class Trainer:
             self._score(batch, timings, sync)
             with phase("adv", timings, sync):
                 # pi_old / pi_rollout importance weights on the whole batch (verl: same phase)
-                corr_metrics = apply_rollout_correction(batch, RolloutCorrectionConfig.from_config(
-                    self.cfg.algorithm.rollout_correction))
+                corr_metrics = apply_rollout_correction(batch, self.rollout_correction)
                 kl_metrics = {**self._advantages(batch), **corr_metrics}
             out = {}
             if self.critic is not None:
