@@ -27,7 +27,6 @@ import torch.distributed as dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
-from hybridengine.parallel.mesh import group_timeout
 from hybridengine.parallel.offload import HostParking
 from hybridengine.parallel.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
@@ -89,7 +88,9 @@ class TrainEngine:
         if compile_layers and self.device.type == "cuda":
             compile_decoder_layers(self.model)
         self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
-        self.embedding_group = self._build_embedding_group()
+        # the two copies of a tied embedding (first and last stage) sum their gradients
+        tied = self.cfg.tie_word_embeddings and mesh.pp > 1 and not self.model.value_head
+        self.embedding_group = mesh.embedding_group if tied else None
         self.optimizer = None
         if optim is not None:
             self.optimizer = self._build_optimizer(optim)
@@ -98,20 +99,6 @@ class TrainEngine:
         self._parking: dict[str, HostParking] = {}
 
     # --- setup --------------------------------------------------------------------------------
-    def _build_embedding_group(self):
-        """Ranks holding the two copies of a tied embedding (first and last stage), per (dp, tp).
-        Built collectively on every rank; None when there is no second copy."""
-        lay, mine = self.mesh.layout, None
-        if not (self.cfg.tie_word_embeddings and lay.pp > 1 and not self.model.value_head):
-            return None
-        for d in range(lay.dp):
-            for t in range(lay.tp):
-                ranks = [lay.rank(0, d, t), lay.rank(lay.pp - 1, d, t)]
-                g = dist.new_group(ranks, timeout=group_timeout(None))
-                if self.mesh.rank in ranks:
-                    mine = g
-        return mine
-
     def _build_optimizer(self, o: OptimConfig) -> DistributedOptimizer:
         tp, tied_copy = self.mesh.tp, self.embedding_group is not None and self.mesh.is_last_stage
 

@@ -54,8 +54,13 @@ def main(argv: list[str]) -> None:
         _resolve_paths(cfg)
         env = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
         _warn_if_restarts_cannot_reconnect()
+        from hybridengine.parallel.mesh import build_meshes
+        from hybridengine.rl.preflight import checked_layout
         from hybridengine.rl.trainer import Trainer
-        Trainer(cfg, env.world_size, env.rank).fit()
+        # every config / data / model error at once, before a group is built or a file written
+        layout = checked_layout(cfg, env.world_size)
+        meshes = build_meshes(layout, cfg.trainer.collective_timeout_s)   # every process group
+        Trainer(cfg, meshes).fit()
     except BaseException as e:  # noqa: BLE001 - _fail words ours and exits; the rest re-raise
         _fail(e, rank, cfg)
         raise
@@ -77,7 +82,8 @@ def _fail(error: BaseException, rank: int, cfg) -> None:
     """One line for the whole job and the exit code (module docstring); returns for errors
     that are not ours to word (Python's traceback then shows them)."""
     import traceback
-    from hybridengine.rl.guards import PeerFailure, RunError, report_failure, traceback_wanted
+    from hybridengine.rl.guards import (PeerFailure, RunError, defer_exit_under_torchrun,
+                                        report_failure, traceback_wanted)
     from hybridengine.rl.rewards import RewardError
     if isinstance(error, KeyboardInterrupt):
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # a second Ctrl-C while we say so
@@ -95,7 +101,11 @@ def _fail(error: BaseException, rank: int, cfg) -> None:
                    own=isinstance(error, PeerFailure))
     if isinstance(error, PeerFailure):
         # The group is broken: tearing it down could wait on the silent peer, and torch aborts
-        # from its destructors. Leave now (torchrun stops the other ranks).
+        # from its destructors. Leave now (torchrun stops the other ranks); after a peer that
+        # exited, only once torchrun has seen that exit, so its summary names the dead rank
+        # (e.g. `exitcode: -9`), not this one.
+        if error.kind == "lost":
+            defer_exit_under_torchrun()
         os._exit(1)
     sys.exit(code)
 

@@ -69,14 +69,15 @@ def test_pointer_pruning_and_layout_errors(tmp_path):
 # --- exact resume across processes (2 DP ranks, ZeRO-1) -----------------------------------------
 
 def _setup(rank):
-    from hybridengine.parallel.mesh import Layout, build_mesh
+    from hybridengine.parallel.layout import Layout
+    from hybridengine.parallel.mesh import build_mesh
     mesh = build_mesh(Layout(1, 1, 2))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
     opt = DistributedOptimizer(list(model.named_parameters()), mesh.dp_group, mesh.mp_group,
                                lr=1e-2, weight_decay=0.1, grad_clip=1.0, bucket_mb=0.002,
                                use_distributed_optimizer=True)
-    return model, opt
+    return model, opt, mesh.world_group       # the ranks that save together
 
 
 def _train(model, opt, num_steps):
@@ -95,43 +96,43 @@ def _state(model, opt):
     return tensors, {"optim": meta}
 
 
-def _save_killed_halfway(root, step, tensors, meta):
-    tmp = begin_checkpoint(root, step)
-    write_rank_state(tmp, tensors, meta)       # the state is written ...
+def _save_killed_halfway(root, step, tensors, meta, group):
+    tmp = begin_checkpoint(root, step, group)
+    write_rank_state(tmp, tensors, meta, group=group)       # the state is written ...
     raise RuntimeError("killed while writing the HF directory")     # ... the commit never runs
 
 
 def _first_run(rank, world, root):
-    model, opt = _setup(rank)
+    model, opt, group = _setup(rank)
     torch.manual_seed(100 + rank), random.seed(rank), np.random.seed(rank)
     _train(model, opt, 2)
     tensors, meta = _state(model, opt)
-    save_checkpoint(root, 2, tensors, meta)
+    save_checkpoint(root, 2, tensors, meta, group=group)
     _train(model, opt, 2)
-    save_checkpoint(f"{root}/final", 4, dict(model.state_dict()), {}, rng=False)
+    save_checkpoint(f"{root}/final", 4, dict(model.state_dict()), {}, rng=False, group=group)
 
     # A save that dies between writing files: `latest` stays on step 2, which still loads.
     with pytest.raises(RuntimeError, match="killed"):
-        _save_killed_halfway(root, 5, tensors, meta)
+        _save_killed_halfway(root, 5, tensors, meta, group)
     tmp = checkpoint_dir(root, 5).with_name("global_step_5.tmp")
     assert find_latest(root) == 2 and tmp.is_dir()
-    load_checkpoint(root, like=tensors, restore_rng_state=False)
+    load_checkpoint(root, like=tensors, restore_rng_state=False, group=group)
     # The next save cleans the stale temp dir.
-    save_checkpoint(root, 6, {"x": torch.zeros(1)}, {}, max_to_keep=None)
+    save_checkpoint(root, 6, {"x": torch.zeros(1)}, {}, max_to_keep=None, group=group)
     assert not tmp.exists() and find_latest(root) == 6
 
 
 def _resumed_run(rank, world, root):
-    model, opt = _setup(rank)
+    model, opt, group = _setup(rank)
     torch.manual_seed(999), random.seed(999), np.random.seed(999)     # overwritten by the load
     like = _state(model, opt)[0]
-    tensors, meta = load_checkpoint(checkpoint_dir(root, 2), like=like)
+    tensors, meta = load_checkpoint(checkpoint_dir(root, 2), like=like, group=group)
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     opt.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("optim.")},
                         meta["optim"], publish=False)
     assert opt.num_steps == 2
     _train(model, opt, 2)
-    final, _ = load_checkpoint(f"{root}/final", restore_rng_state=False)
+    final, _ = load_checkpoint(f"{root}/final", restore_rng_state=False, group=group)
     for k, v in model.state_dict().items():
         assert torch.equal(v, final[k]), k
 

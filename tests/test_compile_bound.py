@@ -121,7 +121,8 @@ def _training_graphs(model, device: str, compile_backend: str | None) -> int:
     engine does, with that backend (None: the engine's own setup, CUDA only)."""
     from hybridengine.engine import MicroBatch, OptimConfig, TrainEngine, compile_decoder_layers
     from hybridengine.models.attention import PackedInput
-    from hybridengine.parallel.mesh import Layout, build_mesh
+    from hybridengine.parallel.layout import Layout
+    from hybridengine.parallel.mesh import build_mesh
     torch._dynamo.reset()
     counters.clear()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

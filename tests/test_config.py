@@ -246,9 +246,8 @@ FAST = {"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.acto
 
 def test_cuda_defaults_are_the_benchmarked_fast_paths():
     """On CUDA the defaults are the settings tools/bench_ppo.py measures (bench/RESULTS.md)."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from bench_ppo import overrides
+    from tool_utils import load_tool
+    overrides = load_tool("bench_ppo").overrides
     fast = load_config(RECIPE + ["trainer.device=cuda"])
     validate_config(fast, world_size=1)
     args = SimpleNamespace(algo="ppo", workload="seed", rollout_compile=True, train_compile=True,
@@ -345,7 +344,7 @@ def test_layout_derivation():
     assert (layout.actor.tp, layout.actor.pp, layout.actor.dp, layout.actor.sequence_parallel) == (2, 2, 2, True)
     assert (layout.ref.tp, layout.ref.pp, layout.ref.dp) == (2, 1, 4)     # tp inherited from the actor
     assert layout.critic is None
-    assert (layout.rollout_tp, layout.rollout_dp, layout.micro_dp) == (2, 4, 2)
+    assert (layout.rollout.tp, layout.rollout.dp, layout.rollout.micro_dp) == (2, 4, 2)
     # with tp = 1 sequence parallelism is off whatever the flag says
     assert not derive_layout(load_config(RECIPE), 1).actor.sequence_parallel
 

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from dist_utils import run_dist
 from hybridengine.engine import MicroBatch, OptimConfig, TrainEngine
 from hybridengine.models.attention import PackedInput
-from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.mesh import build_mesh
 from model_utils import save_tiny
 
 NUM_SEQS, NUM_MICRO, STEPS = 16, 4, 3

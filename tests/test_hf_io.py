@@ -7,7 +7,8 @@ import torch
 from dist_utils import run_dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.hf import load_decoder, read_model_config, save_hf
-from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.mesh import build_mesh
 from model_utils import STORIES, rel_err, save_tiny
 
 LENGTHS = [6, 9]

@@ -6,7 +6,8 @@ import torch
 from dist_utils import run_dist
 from hybridengine.models.attention import PackedInput, repad, unpad
 from hybridengine.models.hf import load_decoder
-from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.mesh import build_mesh
 from model_utils import STORIES, rel_err, save_tiny, tiny_hf_model
 
 MODELS = [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False)]

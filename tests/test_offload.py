@@ -10,7 +10,8 @@ import torch
 from dist_utils import run_dist
 from hybridengine.config import load_config
 from hybridengine.engine import TrainEngine
-from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.mesh import build_mesh, build_meshes
 from hybridengine.parallel.offload import HostParking
 from hybridengine.rl.tracking import read_metrics
 
@@ -79,6 +80,7 @@ OFFLOAD_ALL = [f"{role}.megatron.{flag}=true"
 def _fit(rank, world, out_dir, overrides):
     """PPO (critic, reference, KL loss) on stories260k: actor tp=2 on 2 ranks, generation tp=1
     (the generation weights are gathered copies, so the actor's own weights can go to the host)."""
+    from hybridengine.rl.preflight import checked_layout
     from hybridengine.rl.trainer import Trainer
     cfg = load_config(["--config", str(ROOT / "configs" / "tiny.yaml"),
                        f"data.train_files={ROOT / 'data/stories_keywords/train.jsonl'}",
@@ -91,7 +93,8 @@ def _fit(rank, world, out_dir, overrides):
                        "trainer.val_before_train=False", "trainer.test_freq=-1",
                        "trainer.save_freq=-1", "trainer.logger=[]",
                        f"trainer.default_local_dir={out_dir}", *overrides])
-    trainer = Trainer(cfg, world_size=world, rank=rank)
+    meshes = build_meshes(checked_layout(cfg, world), cfg.trainer.collective_timeout_s)
+    trainer = Trainer(cfg, meshes)
     trainer.fit()
     # fit ends with everything back on the device: every weight can be read
     weights = {f"{role}.{n}": p.detach().clone()

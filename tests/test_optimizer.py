@@ -163,7 +163,8 @@ DP_CASES = [(zero, reduce, bucket) for zero in (True, False) for reduce in ("sum
 
 
 def _dp_worker(rank, world, ref):
-    from hybridengine.parallel.mesh import Layout, build_mesh
+    from hybridengine.parallel.layout import Layout
+    from hybridengine.parallel.mesh import build_mesh
     mesh = build_mesh(Layout(1, 1, 2))
     x, y = _data()
     x, y = x.chunk(2)[mesh.dp_rank], y.chunk(2)[mesh.dp_rank]
@@ -233,7 +234,8 @@ def _full_params(model):
 # lr-sized differences within a few steps (norms drift ~1e-4 apart by step 3 at tp=2 vs tp=1).
 def _tp_worker(rank, world, model_dir, ref):
     from hybridengine.models.hf import is_tp_replicated, load_decoder
-    from hybridengine.parallel.mesh import Layout, build_mesh
+    from hybridengine.parallel.layout import Layout
+    from hybridengine.parallel.mesh import build_mesh
     mesh = build_mesh(Layout(2, 1, 1))
     model = load_decoder(model_dir, mesh, sequence_parallel=True, dtype=torch.float64)
     cfg = model.cfg

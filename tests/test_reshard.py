@@ -17,7 +17,8 @@ from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder
 from hybridengine.models.hf import load_decoder, load_hf_weights, read_model_config
 from hybridengine.parallel import tensor as ptensor
-from hybridengine.parallel.mesh import Layout, build_gen_mesh, build_mesh
+from hybridengine.parallel.layout import GenLayout, Layout
+from hybridengine.parallel.mesh import build_gen_mesh, build_mesh
 from hybridengine.parallel.tensor import sync_sequence_parallel_grads
 from model_utils import STORIES, save_tiny
 
@@ -99,7 +100,7 @@ def _load(path, cfg, mesh, sequence_parallel=False):
 
 
 def _case(layout, gen_tp, path, cfg, ref_tokens, counter):
-    mesh, gm = build_mesh(layout), build_gen_mesh(layout, gen_tp)
+    mesh, gm = build_mesh(layout), build_gen_mesh(GenLayout(layout, gen_tp))
     train = _load(path, cfg, mesh, sequence_parallel=True)
     ref = _load(path, cfg, SimpleNamespace(tp_group=gm.gen_tp_group, tp_rank=gm.gen_tp_rank,
                                            pp=1, pp_rank=0))
@@ -195,7 +196,7 @@ def test_reshard_acceptance_layouts(tmp_path):
 
 def _nccl_worker(rank, world, path, cfg):
     layout, device = Layout(2, 1, 1), torch.device("cuda", rank)
-    mesh, gm = build_mesh(layout), build_gen_mesh(layout, 1)
+    mesh, gm = build_mesh(layout), build_gen_mesh(GenLayout(layout, 1))
     train = _load(path, cfg, mesh, sequence_parallel=True).to(device)
     one = SimpleNamespace(tp_group=None, tp_rank=0, pp=1, pp_rank=0)
     full = _load(path, cfg, one).to(device)

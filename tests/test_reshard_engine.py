@@ -5,7 +5,8 @@ import torch
 
 from hybridengine.hybrid.reshard import HybridEngine
 from hybridengine.models.decoder import Decoder, ModelConfig
-from hybridengine.parallel.mesh import Layout, build_gen_mesh, build_mesh
+from hybridengine.parallel.layout import GenLayout, Layout
+from hybridengine.parallel.mesh import build_gen_mesh, build_mesh
 
 CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, attention_bias=True)
@@ -13,7 +14,7 @@ CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layer
 
 def _engine(**kw):
     layout = Layout()
-    return HybridEngine(CFG, build_mesh(layout), build_gen_mesh(layout, 1), **kw)
+    return HybridEngine(CFG, build_mesh(layout), build_gen_mesh(GenLayout(layout, 1)), **kw)
 
 
 def test_rollout_dtype_is_a_cast_copy_and_memory_is_released():
@@ -77,5 +78,5 @@ def test_misuse_is_one_clear_error():
     with pytest.raises(RuntimeError, match="without a preceding"):
         engine.to_training()
     with pytest.raises(ValueError, match="does not belong"):
-        HybridEngine(CFG, build_mesh(Layout()), build_gen_mesh(Layout(), 1).__class__(
-            build_gen_mesh(Layout(), 1).gen_layout, rank=3))
+        HybridEngine(CFG, build_mesh(Layout()), build_gen_mesh(GenLayout(Layout(), 1)).__class__(
+            build_gen_mesh(GenLayout(Layout(), 1)).gen_layout, rank=3))

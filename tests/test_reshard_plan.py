@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hybridengine.hybrid.plan import plan_for_rank, plan_reshard
 from hybridengine.models.decoder import Decoder, ModelConfig, stage_layers
 from hybridengine.models.hf import param_plan
-from hybridengine.parallel.mesh import GenLayout, Layout
+from hybridengine.parallel.layout import GenLayout, Layout
 
 LAYOUTS = [((2, 1, 2), 1), ((2, 2, 1), 1), ((2, 2, 1), 2), ((4, 1, 1), 2), ((4, 1, 1), 1),
            ((1, 2, 2), 1), ((1, 1, 4), 1), ((2, 1, 2), 2), ((4, 2, 1), 2), ((2, 4, 1), 1)]
@@ -148,7 +148,7 @@ def test_simulated_plan_builds_every_generation_shard(tied, vocab, mode, direct)
     for (t, p, d), gen_tp in LAYOUTS:
         layout = Layout(t, p, d)
         for j in range(gen_tp):
-            plan = plan_reshard(cfg, layout, gen_tp, j, mode=mode, max_bucket_numel=700,
+            plan = plan_reshard(cfg, GenLayout(layout, gen_tp), j, mode=mode, max_bucket_numel=700,
                                 direct_min_numel=direct)
             expected = _expected_gen(hf, cfg, layout, gen_tp, j)
             for i, got in enumerate(_simulate(plan, hf, cfg)):
@@ -199,7 +199,7 @@ def test_bytes_follow_hybridflow_formula(mode, direct):
         m, n = cfg.num_params() - norms, t * p
         formula = (n - 1) / n * m if mode == "naive" else (n - gen_tp) / (gen_tp * n) * m
         for j in range(gen_tp):
-            plan = plan_reshard(cfg, Layout(t, p, d), gen_tp, j, mode=mode, max_bucket_numel=900,
+            plan = plan_reshard(cfg, GenLayout(Layout(t, p, d), gen_tp), j, mode=mode, max_bucket_numel=900,
                                 direct_min_numel=direct)
             got = plan.received_numel
             load = [0] * plan.num_members
@@ -221,7 +221,7 @@ def test_members_are_the_mesh_micro_dp_group_in_chunk_order():
         layout = Layout(t, p, d)
         groups = GenLayout(layout, gen_tp).micro_dp_groups()
         for rank in range(layout.world_size):
-            plan, me = plan_for_rank(cfg, layout, gen_tp, rank)
+            plan, me = plan_for_rank(cfg, GenLayout(layout, gen_tp), rank)
             dp_rank = layout.coords(rank)[1]
             ranks = [layout.rank(m.pp_rank, dp_rank, m.tp_rank) for m in plan.members]
             assert ranks == sorted(next(g for g in groups if rank in g)) and ranks[me] == rank
@@ -229,7 +229,7 @@ def test_members_are_the_mesh_micro_dp_group_in_chunk_order():
 
 def test_tied_pipeline_sends_the_first_stage_embedding():
     cfg = _cfg(tied=True, vocab=97, layers=4)
-    plan = plan_reshard(cfg, Layout(2, 2, 1), 1, 0)
+    plan = plan_reshard(cfg, GenLayout(Layout(2, 2, 1), 1), 0)
     embed_sources = {(plan.members[t.member].pp_rank, t.block.src) for t in plan.transfers
                      if t.block.dst == "embed_tokens.weight"}
     assert embed_sources == {(0, "embed_tokens.weight")}
@@ -240,7 +240,7 @@ def test_tied_pipeline_sends_the_first_stage_embedding():
 def test_nothing_moves_when_layouts_coincide(layout):
     cfg = _cfg(tied=False, vocab=97)
     for j in range(layout.tp):
-        plan = plan_reshard(cfg, layout, layout.tp, j)
+        plan = plan_reshard(cfg, GenLayout(layout, layout.tp), j)
         assert plan.num_members == 1 and plan.transfers == () and plan.num_collectives == 0
         (member,) = plan.members
         assert member.shared == {n: n for n in plan.gen_params}   # zero-copy: every parameter
@@ -250,7 +250,7 @@ def test_pipeline_only_layout_gathers_other_stages_and_shares_its_own():
     """t_g = t with pp > 1: a member keeps its own stage's weights (zero-copy) and receives the
     other stage's, whole."""
     cfg = _cfg(tied=False, vocab=96, layers=4)
-    plan = plan_reshard(cfg, Layout(2, 2, 1), 2, 1)
+    plan = plan_reshard(cfg, GenLayout(Layout(2, 2, 1), 2), 1)
     first, last = plan.members
     assert (first.pp_rank, last.pp_rank) == (0, 1)
     assert first.shared["layers.1.mlp.down_proj.weight"] == "layers.1.mlp.down_proj.weight"
@@ -263,6 +263,6 @@ def test_pipeline_only_layout_gathers_other_stages_and_shares_its_own():
 
 def test_bad_generation_tp_is_one_clear_error():
     with pytest.raises(ValueError, match="tensor_model_parallel_size=3"):
-        plan_reshard(_cfg(False), Layout(2, 1, 1), 3, 0)
+        plan_reshard(_cfg(False), GenLayout(Layout(2, 1, 1), 3), 0)
     with pytest.raises(ValueError, match="reshard mode"):
-        plan_reshard(_cfg(False), Layout(2, 1, 1), 1, 0, mode="fast")
+        plan_reshard(_cfg(False), GenLayout(Layout(2, 1, 1), 1), 0, mode="fast")

@@ -5,7 +5,8 @@ import torch
 from dist_utils import run_dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.hf import _gather_full, load_decoder
-from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.mesh import build_mesh
 from hybridengine.parallel.tensor import sync_sequence_parallel_grads
 from model_utils import save_tiny
 

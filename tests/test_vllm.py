@@ -78,7 +78,8 @@ def _hf_tensors(model_dir) -> dict[str, torch.Tensor]:
 
 def _stream_rank(rank, world, model_dir, bucket_mb):
     from hybridengine.models.hf import load_decoder
-    from hybridengine.parallel.mesh import Layout, build_mesh
+    from hybridengine.parallel.layout import Layout
+    from hybridengine.parallel.mesh import build_mesh
     from hybridengine.rollout.hf_stream import hf_weight_stream
     mesh = build_mesh(Layout(tp=world))
     model = load_decoder(model_dir, mesh)
@@ -184,7 +185,8 @@ def _hf_greedy(model_dir, prompts) -> list[list[int]]:
 
 def _parity_rank(rank, world, model_dir, out_dir):
     from hybridengine.engine import OptimConfig, TrainEngine
-    from hybridengine.parallel.mesh import Layout, build_mesh
+    from hybridengine.parallel.layout import Layout
+    from hybridengine.parallel.mesh import build_mesh
     from hybridengine.rollout.sampling import SamplingParams
     actor = TrainEngine(model_dir, build_mesh(Layout(tp=world)), sequence_parallel=False,
                         optim=OptimConfig(lr=0.05, weight_decay=0.0, grad_clip=None))

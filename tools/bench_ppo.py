@@ -207,7 +207,7 @@ def run(args) -> dict:
     else:
         cfg = load_config(prepare(args, work)[0])
     os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
-    trainer = Trainer(cfg, 1, 0)
+    trainer = Trainer(cfg)
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s = [], {}, {}, {}
     for step in range(1, args.warmup + args.steps + 1):

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.hybrid.reshard import HybridEngine  # noqa: E402
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.parallel import tensor as ptensor  # noqa: E402
-from hybridengine.parallel.mesh import Layout, build_gen_mesh, build_mesh, \
-    init_distributed  # noqa: E402
+from hybridengine.parallel.layout import GenLayout, Layout  # noqa: E402
+from hybridengine.parallel.mesh import build_gen_mesh, build_mesh, init_distributed  # noqa: E402
 
 from hybridengine.models.shapes import QWEN2_5_0_5B, QWEN2_5_7B  # noqa: E402
 from profiling import profile_ranges  # noqa: E402
@@ -175,7 +175,7 @@ def main():
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")
     layout = Layout(tp=env.world_size)
-    mesh, gen_mesh = build_mesh(layout), build_gen_mesh(layout, args.gen_tp)
+    mesh, gen_mesh = build_mesh(layout), build_gen_mesh(GenLayout(layout, args.gen_tp))
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "world_size": env.world_size,
               "backend": dist.get_backend() if dist.is_initialized() else "none",

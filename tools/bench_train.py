@@ -21,7 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridengine.engine import MicroBatch, OptimConfig, TrainEngine  # noqa: E402
 from hybridengine.models.attention import PackedInput  # noqa: E402
-from hybridengine.parallel.mesh import Layout, build_mesh, init_distributed  # noqa: E402
+from hybridengine.parallel.layout import Layout  # noqa: E402
+from hybridengine.parallel.mesh import build_mesh, init_distributed  # noqa: E402
 from hybridengine.rl.flops import decoder_flops, peak_flops  # noqa: E402
 from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
 from tools.bench_model import mixed_lengths  # noqa: E402

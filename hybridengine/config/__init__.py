@@ -2,12 +2,11 @@
 and parallel layout that need the world size (checks).
 
     cfg = load_config(["--config", "configs/tiny.yaml", "data.train_batch_size=16"])
-    layout = validate_config(cfg, world_size)      # EngineLayout: per-role (tp, pp, dp), t_g
+    layout = validate_config(cfg, world_size)      # parallel.layout.RunLayout
 """
-from hybridengine.config.checks import (EngineLayout, RoleLayout, derive_layout, uses_critic,
-                                        uses_reference, validate_config)
+from hybridengine.config.checks import derive_layout, uses_critic, uses_reference, validate_config
 from hybridengine.config.errors import ConfigError
 from hybridengine.config.loading import DEFAULTS_FILE, describe_layers, load_config
 
-__all__ = ["DEFAULTS_FILE", "ConfigError", "EngineLayout", "RoleLayout", "derive_layout",
+__all__ = ["DEFAULTS_FILE", "ConfigError", "derive_layout",
            "describe_layers", "load_config", "uses_critic", "uses_reference", "validate_config"]

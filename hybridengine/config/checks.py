@@ -1,14 +1,13 @@
 """Cross-field checks that need the world size, and the parallel layout they derive.
 
-`derive_layout(cfg, world_size)` turns the config into per-role (tp, pp, dp) and the generation
-TP degree; `validate_config(cfg, world_size)` runs every check (single-field ranges, batch
+`derive_layout(cfg, world_size)` turns the config into the run's layouts (parallel.layout.RunLayout:
+per-role (tp, pp, dp) and the generation layout); `validate_config(cfg, world_size)` runs every check (single-field ranges, batch
 divisibility per verl's semantics, parallel sizes, algorithm combinations) and returns that
 layout. Each failure is one line naming the key and value; every failure of a config is reported
 at once (one ConfigError, a line each). The checks are generators of those lines.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,41 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from hybridengine.config.errors import ConfigError
 from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R
+from hybridengine.parallel.layout import GenLayout, Layout, RunLayout
 
 
 # ----------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class RoleLayout:
-    """Training layout of one role: tp * pp * dp = world size."""
-
-    tp: int
-    pp: int
-    dp: int
-    sequence_parallel: bool   # effective: requested and tp > 1
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Per-role training layouts and the generation TP degree t_g (p_g = 1); None for a role
-    the algorithm does not use."""
-
-    world_size: int
-    actor: RoleLayout
-    ref: RoleLayout | None
-    critic: RoleLayout | None
-    rollout_tp: int
-
-    @property
-    def rollout_dp(self) -> int:
-        """Generation replicas over the whole world."""
-        return self.world_size // self.rollout_tp
-
-    @property
-    def micro_dp(self) -> int:
-        """d_g = t·p / t_g: generation replicas inside one actor training replica."""
-        return self.actor.tp * self.actor.pp // self.rollout_tp
 
 
 # estimators whose baseline is the other responses to the same prompt (rollout.n >= 2)
@@ -65,34 +33,23 @@ def uses_reference(cfg: DictConfig) -> bool:
     return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
-def _role_layout(megatron: DictConfig, section: str, world_size: int) -> RoleLayout:
-    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ValueError(f"{section}.tensor_model_parallel_size * pipeline_model_parallel_size = "
-                         f"{tp}*{pp} must be positive and divide the world size {world_size}")
-    return RoleLayout(tp, pp, world_size // (tp * pp), bool(megatron.sequence_parallel) and tp > 1)
+def _role_layout(megatron: DictConfig, section: str, world_size: int) -> Layout:
+    return Layout.of_world(megatron.tensor_model_parallel_size,
+                           megatron.pipeline_model_parallel_size, world_size,
+                           bool(megatron.sequence_parallel), section)
 
 
-def derive_layout(cfg: DictConfig, world_size: int) -> EngineLayout:
-    """Layouts of actor, reference, critic and the rollout TP from the config and world size."""
+def derive_layout(cfg: DictConfig, world_size: int) -> RunLayout:
+    """The run's layouts (parallel.layout, where their rules live) from the config and the world
+    size: actor, reference and critic (when the algorithm uses them) and the generation layout."""
     if world_size < 1:
         raise ValueError(f"world size {world_size} must be >= 1")
     aro = cfg.actor_rollout_ref
     actor = _role_layout(aro.actor.megatron, _A + "megatron", world_size)
     ref = _role_layout(aro.ref.megatron, _F + "megatron", world_size) if uses_reference(cfg) else None
     critic = _role_layout(cfg.critic.megatron, "critic.megatron", world_size) if uses_critic(cfg) else None
-    rollout_tp = aro.rollout.tensor_model_parallel_size
-    if rollout_tp < 1 or (actor.tp * actor.pp) % rollout_tp:
-        raise ValueError(f"{_R}tensor_model_parallel_size={rollout_tp} must divide actor tp*pp = "
-                         f"{actor.tp}*{actor.pp}: the generation layout has d_g = tp*pp/t_g replicas "
-                         f"per training replica")
-    if actor.tp % rollout_tp:
-        # HybridFlow would allow it (micro-DP t*p/t_g); our reshard plan builds a generation
-        # shard from whole training TP shards, so refuse before any weight loads
-        raise ValueError(f"{_R}tensor_model_parallel_size={rollout_tp} must divide actor "
-                         f"tensor_model_parallel_size={actor.tp} (a generation TP shard is made of "
-                         f"whole training TP shards; pipeline stages are not split across it)")
-    return EngineLayout(world_size, actor, ref, critic, rollout_tp)
+    rollout = GenLayout(actor, aro.rollout.tensor_model_parallel_size)
+    return RunLayout(actor, rollout, ref, critic)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -170,7 +127,7 @@ def _check_algorithm(cfg: DictConfig) -> Iterator[str]:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
 
 
-def _check_train_batches(cfg: DictConfig, section: str, role: RoleLayout) -> Iterator[str]:
+def _check_train_batches(cfg: DictConfig, section: str, role: Layout) -> Iterator[str]:
     """verl's rule: ppo_mini_batch_size counts prompts, so a mini-batch is mini * n sequences,
     split evenly over the role's DP ranks, then into ppo_micro_batch_size_per_gpu micro-batches.
     (Runs on positive sizes: _check_ranges first.)"""
@@ -195,7 +152,7 @@ def _check_train_batches(cfg: DictConfig, section: str, role: RoleLayout) -> Ite
                f"mini-batch of {mini}*{n}/{role.dp} = {sequences // role.dp} sequences")
 
 
-def _check_forward_batches(cfg: DictConfig, layout: EngineLayout) -> Iterator[str]:
+def _check_forward_batches(cfg: DictConfig, layout: RunLayout) -> Iterator[str]:
     rollout, ref, critic = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
     needed = [(_R + "log_prob", rollout.log_prob_use_dynamic_bsz, rollout.log_prob_micro_batch_size_per_gpu)]
     if layout.ref is not None:
@@ -246,7 +203,7 @@ def _check_policy_loss(cfg: DictConfig) -> Iterator[str]:
                f"mode is not supported (bypass_mode=false, loss_type=ppo_clip only)")
 
 
-def validate_config(cfg: DictConfig, world_size: int) -> EngineLayout:
+def validate_config(cfg: DictConfig, world_size: int) -> RunLayout:
     """Ranges and cross-field checks; returns the layout. Raises one ConfigError (a ValueError)
     listing every failure, a line each naming the fields."""
     range_errors = list(_check_ranges(cfg))

@@ -4,7 +4,7 @@ Pure arithmetic, no communication and no tensor data (a meta-device Decoder name
 parameters), so every rank can plan every rank's part and tests can check the plan alone (STYLE
 rule 6).
 
-A micro-DP group (HybridFlow §5, see parallel.mesh.GenLayout) is the s = t·p/t_g training ranks
+A micro-DP group (HybridFlow §5, see parallel.layout.GenLayout) is the s = t·p/t_g training ranks
 (training TP ranks [j·t/t_g, (j+1)·t/t_g) of every pipeline stage) that together hold generation
 shard j: TP rank j of t_g, all layers. Its members, in global-rank order (= all-gather chunk
 order), each send a chunk of every bucket; one all-gather per bucket leaves every member with
@@ -46,40 +46,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from hybridengine.hybrid.buckets import Block, Transfer, as_2d, bucket
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import VOCAB_PARAMS, Piece, param_plan
-from hybridengine.parallel.mesh import GenLayout, Layout
+from hybridengine.parallel.layout import GenLayout, Layout
 
 MODES = ("zero_redundancy", "naive")
-
-
-@dataclass(frozen=True)
-class Block:
-    """Copy src[src_row:+rows, src_col:+cols] -> dst[dst_row:+rows, dst_col:+cols] on 2D views
-    of the parameters ([n] parameters are viewed as [n, 1])."""
-
-    src: str
-    dst: str
-    src_row: int
-    src_col: int
-    dst_row: int
-    dst_col: int
-    rows: int
-    cols: int
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """A Block sent by group member `member`, at `offset` elements into its chunk of `bucket`."""
-
-    member: int
-    block: Block
-    bucket: int
-    offset: int
 
 
 @dataclass(frozen=True)
@@ -188,10 +160,6 @@ def _is_source(cfg: ModelConfig, name: str) -> bool:
     return not (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
-    return (shape[0], 1) if len(shape) == 1 else (shape[0], shape[1])
-
-
 # --- matching -------------------------------------------------------------------------------------
 
 def _block(tslot: Slot, tpiece: Piece, toff: int, src: tuple, lo: int, hi: int) -> Block:
@@ -199,7 +167,7 @@ def _block(tslot: Slot, tpiece: Piece, toff: int, src: tuple, lo: int, hi: int) 
     if spiece.local_dim != tpiece.local_dim:
         raise ValueError(f"{sslot.name} and {tslot.name} shard {tpiece.name} on different dims")
     s_at, t_at, n = soff + lo - spiece.start, toff + lo - tpiece.start, hi - lo
-    (s_rows, s_cols), (t_rows, t_cols) = _as_2d(sslot.shape), _as_2d(tslot.shape)
+    (s_rows, s_cols), (t_rows, t_cols) = as_2d(sslot.shape), as_2d(tslot.shape)
     if tpiece.local_dim == 0:
         if s_cols != t_cols:
             raise ValueError(f"{sslot.name} {sslot.shape} cannot fill {tslot.name} {tslot.shape}")
@@ -277,101 +245,6 @@ def _shared(targets: list[Slot], slots: list[Slot], cfg: ModelConfig) -> dict[st
     return {t.name: by_key[(t.shape, t.pieces)] for t in targets if (t.shape, t.pieces) in by_key}
 
 
-# --- bucketing ------------------------------------------------------------------------------------
-
-def _fill_flat(stream: list[Block], capacity: int) -> list[tuple]:
-    """One member's blocks -> [(block, bucket, offset)]: chunks filled to `capacity` elements,
-    blocks split by rows at chunk ends. Every chunk is full but the last, so chunks of different
-    members are equal and the all-gather pads nothing (but a stage imbalance at the tail)."""
-    out, bucket, used = [], 0, 0
-    for blk in stream:
-        row = 0
-        while row < blk.rows:
-            fit = min((capacity - used) // blk.cols, blk.rows - row)
-            if fit <= 0:
-                bucket, used = bucket + 1, 0
-                continue
-            part = Block(blk.src, blk.dst, blk.src_row + row, blk.src_col, blk.dst_row + row,
-                         blk.dst_col, fit, blk.cols) if fit < blk.rows else blk
-            out.append((part, bucket, used))
-            used, row = used + fit * blk.cols, row + fit
-    return out
-
-
-def _fill_per_tensor(stream: list[Block]) -> list[tuple]:
-    """One bucket per training tensor (the stream is in _stream_order)."""
-    bucket_of, used, out = {}, {}, []
-    for blk in stream:
-        b = bucket_of.setdefault(blk.src, len(bucket_of))
-        out.append((blk, b, used.get(b, 0)))
-        used[b] = used.get(b, 0) + blk.numel
-    return out
-
-
-def _stream_order(slots: list[Slot]):
-    """Sort key of a member's sends: layers first, then the vocabulary tensor, then the rest,
-    each in Decoder order. Members' layer streams then line up at equal offsets even when their
-    vocabulary shards differ (tp-padding), and pipeline stages pair tensors of equal size."""
-    order = {s.name: k for k, s in enumerate(slots)}
-
-    def key(blk: Block):
-        kind = 0 if blk.src.startswith("layers.") else 1 if blk.src in VOCAB_PARAMS else 2
-        return kind, order[blk.src], blk.src_row, blk.src_col
-    return key
-
-
-def _direct_sets(sends, members, min_numel: int) -> list[tuple[Block, ...]]:
-    """Sections every member sends as whole rows of its training tensor, equal in size, filling
-    consecutive rows of one generation tensor in member order: (block of member 0, 1, ...)."""
-    widths = [{s.name: _as_2d(s.shape)[1] for s in slots} for slots in members]
-
-    def whole_rows(i: int, blk: Block) -> bool:
-        return blk.src_col == 0 and blk.dst_col == 0 and blk.cols == widths[i][blk.src]
-
-    by_start = [{(b.dst, b.dst_row): b for b in blocks if whole_rows(i, b)}
-                for i, blocks in enumerate(sends)]
-    sets = []
-    for first in sends[0] if len(sends) > 1 else ():
-        if first.numel < max(min_numel, 1) or not whole_rows(0, first):
-            continue
-        row = [first]
-        for i in range(1, len(sends)):
-            blk = by_start[i].get((first.dst, first.dst_row + i * first.rows))
-            if blk is None or (blk.rows, blk.cols) != (first.rows, first.cols):
-                break
-            row.append(blk)
-        if len(row) == len(sends):
-            sets.append(tuple(row))
-    return sets
-
-
-def _bucket(sends, members, mode, capacity, direct_min_numel):
-    transfers, fills, direct = [], {}, []
-    if mode != "naive" and direct_min_numel is not None:
-        taken = set()
-        for blocks in _direct_sets(sends, members, direct_min_numel):
-            b = len(direct)
-            for i, blk in enumerate(blocks):
-                transfers.append(Transfer(i, blk, b, 0))
-                taken.add((i, blk))
-            fills[b] = blocks[0].numel
-            direct.append(True)
-        sends = [[blk for blk in blocks if (i, blk) not in taken]
-                 for i, blocks in enumerate(sends)]
-    first = len(direct)
-    # A row is the smallest unit a chunk holds: never let the capacity fall below one row.
-    capacity = max([capacity] + [blk.cols for blocks in sends for blk in blocks])
-    for i, (blocks, slots) in enumerate(zip(sends, members)):
-        stream = sorted(blocks, key=_stream_order(slots))
-        placed = _fill_per_tensor(stream) if mode == "naive" else _fill_flat(stream, capacity)
-        for blk, b, off in placed:
-            transfers.append(Transfer(i, blk, first + b, off))
-            fills[first + b] = max(fills.get(first + b, 0), off + blk.numel)
-    chunks = tuple(fills.get(b, 0) for b in range(max(fills, default=-1) + 1))
-    direct += [False] * (len(chunks) - len(direct))
-    return tuple(transfers), chunks, tuple(direct) if any(direct) else ()
-
-
 # --- the plan -------------------------------------------------------------------------------------
 
 def group_members(layout: Layout, gen_tp: int, gen_tp_rank: int,
@@ -385,10 +258,11 @@ def group_members(layout: Layout, gen_tp: int, gen_tp_rank: int,
     return sorted((pp, tp) for pp in range(layout.pp) for tp in tps)
 
 
-def plan_reshard(cfg: ModelConfig, layout: Layout, gen_tp: int, gen_tp_rank: int, *,
+def plan_reshard(cfg: ModelConfig, gen_layout: GenLayout, gen_tp_rank: int, *,
                  mode: str = "zero_redundancy", max_bucket_numel: int = 128 << 20,
                  direct_min_numel: int | None = None) -> ReshardPlan:
-    """Plan the switch of the micro-DP group of generation TP rank `gen_tp_rank` (see module doc).
+    """Plan the switch of the micro-DP group of generation TP rank `gen_tp_rank` (see module doc)
+    from `gen_layout.train` to `gen_layout` (whose constructor checked t_g against (t, p)).
 
     max_bucket_numel: elements of one gathered (flat) bucket (all members' chunks).
     direct_min_numel: sections of at least this many elements per member become direct
@@ -396,7 +270,7 @@ def plan_reshard(cfg: ModelConfig, layout: Layout, gen_tp: int, gen_tp_rank: int
     """
     if mode not in MODES:
         raise ValueError(f"reshard mode={mode!r} is not one of {MODES}")
-    GenLayout(layout, gen_tp)                      # validates t_g against (t, p)
+    layout, gen_tp = gen_layout.train, gen_layout.tp
     if not 0 <= gen_tp_rank < gen_tp:
         raise ValueError(f"gen_tp_rank={gen_tp_rank} outside [0, {gen_tp})")
     cfg.check_tp(gen_tp)
@@ -407,7 +281,7 @@ def plan_reshard(cfg: ModelConfig, layout: Layout, gen_tp: int, gen_tp_rank: int
     sends, local = _match(cfg, target, members)
     target_shapes = {s.name: s.shape for s in target}
     capacity = max(1, max_bucket_numel // len(members))
-    transfers, chunks, direct = _bucket(sends, members, mode, capacity, direct_min_numel)
+    transfers, chunks, direct = bucket(sends, members, mode, capacity, direct_min_numel)
     slices, slice_shared = (), None
     if mode == "naive":
         _, (own,) = _match(cfg, gen, [target])     # one member holding everything: all local
@@ -418,15 +292,16 @@ def plan_reshard(cfg: ModelConfig, layout: Layout, gen_tp: int, gen_tp_rank: int
                        target_shapes, plans, transfers, chunks, slices, slice_shared, direct)
 
 
-def plan_for_rank(cfg: ModelConfig, layout: Layout, gen_tp: int, rank: int, **kw):
+def plan_for_rank(cfg: ModelConfig, gen_layout: GenLayout, rank: int, **kw):
     """(plan, member index) of a global rank."""
-    _, gen_tp_rank, _ = GenLayout(layout, gen_tp).coords(rank)
-    pp_rank, _, tp_rank = layout.coords(rank)
-    plan = plan_reshard(cfg, layout, gen_tp, gen_tp_rank, **kw)
+    _, gen_tp_rank, _ = gen_layout.coords(rank)
+    pp_rank, _, tp_rank = gen_layout.train.coords(rank)
+    plan = plan_reshard(cfg, gen_layout, gen_tp_rank, **kw)
     return plan, plan.member_index(pp_rank, tp_rank)
 
 
-def max_received_numel(cfg: ModelConfig, layout: Layout, gen_tp: int, **kw) -> int:
+def max_received_numel(cfg: ModelConfig, gen_layout: GenLayout, **kw) -> int:
     """Elements received by the busiest rank of the world (every group's plan)."""
-    return max(plan_reshard(cfg, layout, gen_tp, j, **kw).received_numel for j in range(gen_tp))
+    return max(plan_reshard(cfg, gen_layout, j, **kw).received_numel
+               for j in range(gen_layout.tp))
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridengine.hybrid.plan import Block, ReshardPlan
+from hybridengine.hybrid.buckets import Block
+from hybridengine.hybrid.plan import ReshardPlan
 from hybridengine.models.hf import VOCAB_PARAMS
 
 ALIGN_BYTES = 16      # every generation weight starts 16-byte aligned in the arena (GEMM loads)

@@ -1,6 +1,6 @@
 """The 3D-HybridEngine: switch the actor between its training shard and its generation shard.
 
-    engine = HybridEngine(cfg, train_mesh, build_gen_mesh(layout, t_g), bucket_mb=256)
+    engine = HybridEngine(cfg, train_mesh, build_gen_mesh(GenLayout(layout, t_g)), bucket_mb=256)
     gen = engine.to_generation(actor)     # a Decoder: gen-TP group, pp = 1, no sequence parallel
     ... rollout on `gen` (the caller frees its KV cache) ...
     engine.to_training()                  # generation-only memory released; `gen` is emptied
@@ -86,7 +86,7 @@ class HybridEngine:
             raise ValueError(f"trainer.hybrid_engine.reshard_mode={mode!r} is not one of {MODES}")
         if not bucket_mb > 0:
             raise ValueError(f"trainer.hybrid_engine.reshard_bucket_mb={bucket_mb} must be > 0")
-        if gen_mesh.gen_layout.train != train_mesh.layout or gen_mesh.rank != train_mesh.rank:
+        if gen_mesh.gen_layout.train.shape != train_mesh.layout.shape or gen_mesh.rank != train_mesh.rank:
             raise ValueError(f"generation mesh of {gen_mesh.gen_layout.train} (rank "
                              f"{gen_mesh.rank}) does not belong to the training mesh of "
                              f"{train_mesh.layout} (rank {train_mesh.rank})")
@@ -111,10 +111,10 @@ class HybridEngine:
                 int(self.direct_min_mb * 2**20) // elsize
             kw = dict(mode=self.mode, max_bucket_numel=int(self.bucket_mb * 2**20) // elsize,
                       direct_min_numel=direct)
-            layout, gm = self.train_mesh.layout, self.gen_mesh
-            plan = plan_reshard(self.cfg, layout, gm.gen_tp, gm.gen_tp_rank, **kw)
+            gm = self.gen_mesh
+            plan = plan_reshard(self.cfg, gm.gen_layout, gm.gen_tp_rank, **kw)
             me = plan.member_index(self.train_mesh.pp_rank, self.train_mesh.tp_rank)
-            busiest = max_received_numel(self.cfg, layout, gm.gen_tp, **kw) * elsize
+            busiest = max_received_numel(self.cfg, gm.gen_layout, **kw) * elsize
             self._plans[dtype] = (plan, me, busiest)
         return self._plans[dtype][:2]
 

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridengine.models.decoder import Decoder, ModelConfig
-from hybridengine.parallel.tensor import all_gather_dim0, group_size
+from hybridengine.parallel.tensor import all_gather_dim0, group_size, padded_vocab_size
 
 SUPPORTED = ("llama", "qwen2")
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")   # vocab-parallel rows (tp-padded)
@@ -106,7 +106,7 @@ def param_plan(local_name: str, cfg: ModelConfig, tp: int, tp_rank: int,
     """The HF slices that make up parameter `local_name` of a Decoder shard."""
     h, d = cfg.hidden_size, cfg.head_dim
     if local_name in ("embed_tokens.weight", "lm_head.weight"):
-        rows = -(-cfg.vocab_size // tp)       # rows per rank of the tp-padded vocabulary
+        rows = padded_vocab_size(cfg.vocab_size, tp) // tp  # rows per rank of the tp-padded vocabulary
         start = tp_rank * rows
         src = "lm_head.weight" if (local_name == "lm_head.weight"
                                    and not cfg.tie_word_embeddings) else "model.embed_tokens.weight"
@@ -244,7 +244,8 @@ def _gather_full(model: Decoder, name: str, param: torch.Tensor) -> dict[str, to
 
 def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,
             dtype: torch.dtype | None = None) -> None:
-    """Write a complete HF model directory from any (tp, pp, dp) layout (collective on the world).
+    """Write a complete HF model directory from any (tp, pp, dp) layout (collective over the
+    mesh's world group; `mesh` None: one process).
 
     Pipeline stage s's first rank writes model-0000{s+1}-of-0000{pp}.safetensors; global rank 0
     writes config.json, the index and tokenizer files (copied from `src_dir`), then renames the
@@ -254,11 +255,11 @@ def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,
     tmp = out.parent / f".{out.name}.tmp"
     pp, pp_rank = (mesh.pp, mesh.pp_rank) if mesh else (1, 0)
     writer = mesh is None or (mesh.tp_rank == 0 and mesh.dp_rank == 0)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, world = (mesh.rank, mesh.world_group) if mesh else (0, None)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(world)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
@@ -269,10 +270,10 @@ def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,
     if writer:
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         (tmp / f"{fname}.keys.json").write_text(json.dumps(sorted(tensors)))
-    _barrier()
+    _barrier(world)
     if rank == 0:
         _finish_dir(model, tmp, out, pp, src_dir, dtype)
-    _barrier()
+    _barrier(world)
 
 
 def _finish_dir(model: Decoder, tmp: Path, out: Path, pp: int, src_dir, dtype) -> None:
@@ -321,9 +322,9 @@ def _write_config(model: Decoder, tmp: Path, src_dir, dtype) -> None:
     (tmp / "config.json").write_text(json.dumps(conf, indent=2))
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def load_decoder(model_dir: str | os.PathLike, mesh=None, sequence_parallel: bool = False,

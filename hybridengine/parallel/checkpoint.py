@@ -7,7 +7,8 @@ Layout under `root` (verl's names):
     global_step_N/<anything>                     other writers, e.g. the trainer's HF dirs actor/
     latest_checkpointed_iteration.txt            N; replaced atomically, after the rename
 
-Protocol (collective over the world; `root` must be one directory every rank sees):
+Protocol (collective over `group`, the ranks that save together, None for one process; `root`
+must be one directory every rank sees):
     tmp = begin_checkpoint(root, N)    rank 0 deletes the global_step_*.tmp dirs of crashed saves
                                        and creates global_step_N.tmp/state/; barrier
     write_rank_state(tmp, tensors, meta)   every rank; anyone may add files under tmp meanwhile
@@ -61,15 +62,20 @@ def _existing_dir(root, step: int) -> Path:
     return final if final.is_dir() or not _old_dir(root, step).is_dir() else _old_dir(root, step)
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _rank_world(group) -> tuple[int, int]:
+    """This rank and the number of ranks in `group` (the ranks that save together; None: this
+    process alone)."""
+    if group is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("checkpoint: a run of several ranks must pass the group of the "
+                             "ranks that save together")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -107,13 +113,13 @@ def restore_rng(state: dict) -> None:
 
 # --- save ---------------------------------------------------------------------------------------
 
-def begin_checkpoint(root: str | os.PathLike, step: int) -> Path:
+def begin_checkpoint(root: str | os.PathLike, step: int, group=None) -> Path:
     """Start checkpoint `step` (collective): returns the temp dir every rank writes into."""
     root, tmp = Path(root), _tmp_dir(root, step)
-    rank, _ = _rank_world()
+    rank, _ = _rank_world(group)
     # Rank 0 deletes leftovers below; no rank may still be reading them (a load in progress, a
     # look at a crashed save) when it does.
-    _barrier()
+    _barrier(group)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("global_step_*.tmp"):      # left by a crashed save
@@ -125,7 +131,7 @@ def begin_checkpoint(root: str | os.PathLike, step: int) -> Path:
             else:
                 os.replace(old, final)
         (tmp / "state").mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     return tmp
 
 
@@ -143,9 +149,9 @@ def _cpu_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_rank_state(ckpt_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict,
-                     rng: bool = True, rank: int | None = None) -> None:
+                     rng: bool = True, rank: int | None = None, group=None) -> None:
     """Write this rank's state/rank_R.safetensors and state/rank_R.json into `ckpt_dir`."""
-    rank_now, world = _rank_world()
+    rank_now, world = _rank_world(group)
     rank = rank_now if rank is None else rank
     state = Path(ckpt_dir) / "state"
     record = {"format": _FORMAT, "rank": rank, "world_size": world, "meta": meta,
@@ -174,12 +180,13 @@ def _write_pointer(root: Path, step: int) -> None:
     _fsync_dir(root)
 
 
-def commit_checkpoint(root: str | os.PathLike, step: int, max_to_keep: int | None = None) -> Path:
+def commit_checkpoint(root: str | os.PathLike, step: int, max_to_keep: int | None = None,
+                      group=None) -> Path:
     """Publish checkpoint `step` (collective): rename the temp dir into place, then point `latest`
     at it. max_to_keep: delete all but the newest that many global_step_* dirs afterwards."""
     root, tmp, final = Path(root), _tmp_dir(root, step), checkpoint_dir(root, step)
-    rank, world = _rank_world()
-    _barrier()
+    rank, world = _rank_world(group)
+    _barrier(group)
     if rank == 0:
         missing = [r for r in range(world)
                    if not (tmp / "state" / f"rank_{r:05d}.json").is_file()]
@@ -196,7 +203,7 @@ def commit_checkpoint(root: str | os.PathLike, step: int, max_to_keep: int | Non
         _write_pointer(root, step)
         if max_to_keep is not None and max_to_keep > 0:
             _prune(root, max_to_keep)
-    _barrier()
+    _barrier(group)
     return final
 
 
@@ -208,11 +215,12 @@ def _prune(root: Path, max_to_keep: int) -> None:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, per_rank_tensors: dict[str, torch.Tensor],
-                    meta: dict, rng: bool = True, max_to_keep: int | None = None) -> Path:
+                    meta: dict, rng: bool = True, max_to_keep: int | None = None,
+                    group=None) -> Path:
     """begin + write_rank_state + commit in one collective call. Returns global_step_N."""
-    tmp = begin_checkpoint(root, step)
-    write_rank_state(tmp, per_rank_tensors, meta, rng)
-    return commit_checkpoint(root, step, max_to_keep)
+    tmp = begin_checkpoint(root, step, group)
+    write_rank_state(tmp, per_rank_tensors, meta, rng, group=group)
+    return commit_checkpoint(root, step, max_to_keep, group)
 
 
 # --- load ---------------------------------------------------------------------------------------
@@ -270,13 +278,14 @@ def check_tensors(tensors: dict[str, torch.Tensor], like: dict, where: str) -> N
 
 
 def load_checkpoint(path: str | os.PathLike, rank: int | None = None, like: dict | None = None,
-                    restore_rng_state: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+                    restore_rng_state: bool = True,
+                    group=None) -> tuple[dict[str, torch.Tensor], dict]:
     """This rank's (tensors on CPU, meta) from a checkpoint root or a global_step_N dir.
 
     like: the model's {name: tensor or shape}; any difference raises one ValueError line.
     restore_rng_state: put the saved RNG states back (python, numpy, torch CPU/CUDA).
     """
-    rank_now, world = _rank_world()
+    rank_now, world = _rank_world(group)
     rank = rank_now if rank is None else rank
     state = resolve_checkpoint(path) / "state"
     record_file = state / f"rank_{rank:05d}.json"

@@ -1,22 +1,16 @@
-"""Process layouts and their groups.
+"""Process groups of the layouts in parallel.layout, built once per run.
 
-A training layout is (tp, pp, dp) on N = tp·pp·dp ranks in Megatron order: tensor-parallel rank
-fastest, then data-parallel, then pipeline-parallel,
-
-    rank = pp_rank · (dp·tp) + dp_rank · tp + tp_rank.
-
-The generation layout of the HybridEngine (HybridFlow §5, arXiv 2409.19256) is derived from the
-training layout and a generation TP degree t_g (p_g = 1): d_g = t·p / t_g generation replicas per
-model replica. Inside one model replica (the t·p ranks sharing a dp_rank), generation-TP groups
-take ranks at stride t/t_g (within a pipeline stage) and p (across stages), and micro-DP groups are
-runs of consecutive ranks. Each micro-DP group all-gathers exactly the shard its generation-TP rank
-needs (see hybridengine.hybrid.reshard).
-
-Groups are objects passed down explicitly (STYLE rule 1): nothing here is a module-level global,
-and no collective in the package uses the default group.
+`build_meshes(run_layout)` builds every group a run needs, on every rank in the same order (group
+creation is collective): each role's tp/dp/pp/mp groups (roles of one shape share them), the
+tied-embedding groups of a pipeline, and the generation layout's gen-TP and micro-DP groups. The
+launcher builds the bundle and hands it down; the library never builds groups of its own and
+never calls a collective on the default group (STYLE rule 1: groups are objects passed down
+explicitly, nothing here is a module-level global). `Meshes.world` is the group of all ranks that
+the run's own collectives (run-directory checks, checkpoint barriers, gathering rollouts) use.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -25,112 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Layout:
-    """A (tp, pp, dp) training layout and its rank arithmetic."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"layout {name}={getattr(self, name)} must be >= 1")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
-
-    def tp_groups(self) -> list[list[int]]:
-        return [[self.rank(p, d, t) for t in range(self.tp)]
-                for p in range(self.pp) for d in range(self.dp)]
-
-    def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(p, d, t) for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp)]
-
-    def pp_groups(self) -> list[list[int]]:
-        return [[self.rank(p, d, t) for p in range(self.pp)]
-                for d in range(self.dp) for t in range(self.tp)]
-
-    def mp_groups(self) -> list[list[int]]:
-        """Model-parallel groups (all tp·pp ranks of one replica): grad-norm reductions."""
-        return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)]
-                for d in range(self.dp)]
-
-    def check_world_size(self, world_size: int) -> None:
-        if world_size != self.world_size:
-            raise ValueError(
-                f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = "
-                f"{self.world_size}; change the parallel sizes or the number of processes")
-
-
-@dataclass(frozen=True)
-class GenLayout:
-    """The generation layout (t_g, p_g = 1, d_g = t·p/t_g per training replica) of a Layout.
-
-    Ranks of one training replica are indexed by m = tp_rank·p + pp_rank (pipeline fastest). A
-    generation-TP group holds t_g ranks at stride s = t·p/t_g in m (HybridFlow Fig. 8), so one
-    micro-DP group is the s consecutive m sharing m // s: training TP shards
-    [j·t/t_g, (j+1)·t/t_g) of every pipeline stage, which together are exactly generation shard j.
-    The generation-TP rank of m is m // s and its micro-DP rank m % s. With p = 1 this is the
-    paper's "stride t/t_g, consecutive micro-DP ranks".
-    """
-
-    train: Layout
-    tp: int
-
-    def __post_init__(self):
-        mp = self.train.tp * self.train.pp
-        if self.tp < 1 or mp % self.tp != 0:
-            raise ValueError(
-                f"rollout tensor_model_parallel_size={self.tp} must divide actor tp*pp = {mp}")
-        if self.train.tp % self.tp != 0:
-            raise ValueError(f"rollout tensor_model_parallel_size={self.tp} must divide actor "
-                             f"tensor_model_parallel_size={self.train.tp}")
-
-    @property
-    def micro_dp(self) -> int:
-        return self.train.tp * self.train.pp // self.tp
-
-    @property
-    def dp(self) -> int:
-        """Generation data-parallel degree over the whole world."""
-        return self.train.dp * self.micro_dp
-
-    def _replica_ranks(self, dp_rank: int) -> list[int]:
-        t, p = self.train.tp, self.train.pp
-        return [self.train.rank(m % p, dp_rank, m // p) for m in range(t * p)]
-
-    def gen_tp_groups(self) -> list[list[int]]:
-        s, groups = self.micro_dp, []
-        for d in range(self.train.dp):
-            ranks = self._replica_ranks(d)
-            groups += [[ranks[j * s + i] for j in range(self.tp)] for i in range(s)]
-        return groups
-
-    def micro_dp_groups(self) -> list[list[int]]:
-        s, groups = self.micro_dp, []
-        for d in range(self.train.dp):
-            ranks = self._replica_ranks(d)
-            groups += [ranks[j * s:(j + 1) * s] for j in range(self.tp)]
-        return groups
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(gen_dp_rank, gen_tp_rank, micro_dp_rank) of a global rank."""
-        pp_rank, dp_rank, tp_rank = self.train.coords(rank)
-        m = tp_rank * self.train.pp + pp_rank
-        s = self.micro_dp
-        return dp_rank * s + m % s, m // s, m % s
+from hybridengine.parallel.layout import GenLayout, Layout, RunLayout
 
 
 @dataclass
@@ -147,6 +36,8 @@ class ParallelMesh:
     pp_group: object = None
     dp_group: object = None
     mp_group: object = None
+    embedding_group: object = None        # first + last stage (pp > 1): a tied embedding's copies
+    world_group: object = None            # every rank of the layout: barriers, whole-run gathers
     pp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
     tp_ranks: list[int] = field(default_factory=list)
@@ -198,6 +89,12 @@ def _my_group(groups: list[list[int]], rank: int, timeout) -> tuple[object, list
     return mine, mine_ranks
 
 
+def _whole_world(world_size: int):
+    """The group of every rank: a layout covers the whole world (check_world_size), so that is
+    the default group, named here once and passed down from here as an object."""
+    return dist.group.WORLD if world_size > 1 else None
+
+
 def group_timeout(timeout_s: float | None) -> datetime.timedelta | None:
     """timeout_s, else the default group's timeout (init_distributed's timeout_s).
 
@@ -225,11 +122,12 @@ def build_mesh(layout: Layout, timeout_s: float | None = None) -> ParallelMesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     layout.check_world_size(world)
     timeout = group_timeout(timeout_s)
-    mesh = ParallelMesh(layout, rank)
+    mesh = ParallelMesh(layout, rank, world_group=_whole_world(world))
     mesh.tp_group, mesh.tp_ranks = _my_group(layout.tp_groups(), rank, timeout)
     mesh.dp_group, mesh.dp_ranks = _my_group(layout.dp_groups(), rank, timeout)
     mesh.pp_group, mesh.pp_ranks = _my_group(layout.pp_groups(), rank, timeout)
     mesh.mp_group, _ = _my_group(layout.mp_groups(), rank, timeout)
+    mesh.embedding_group, _ = _my_group(layout.embedding_groups(), rank, timeout)
     return mesh
 
 
@@ -305,6 +203,7 @@ class GenMesh:
     rank: int
     gen_tp_group: object = None
     micro_dp_group: object = None
+    world_group: object = None
     gen_tp_ranks: list[int] = field(default_factory=list)
     micro_dp_ranks: list[int] = field(default_factory=list)
 
@@ -333,17 +232,56 @@ class GenMesh:
         return self.gen_layout.dp
 
 
-def build_gen_mesh(layout: Layout, gen_tp: int, timeout_s: float | None = None) -> GenMesh:
-    """Build the generation-layout groups of a training layout (collective on every rank)."""
-    gen = GenLayout(layout, gen_tp)
+def build_gen_mesh(gen: GenLayout, timeout_s: float | None = None) -> GenMesh:
+    """Build the generation-layout groups (collective on every rank)."""
+    layout = gen.train
     if not dist.is_initialized():
         layout.check_world_size(1)
         return GenMesh(gen, 0, gen_tp_ranks=[0], micro_dp_ranks=[0])
     world, rank = dist.get_world_size(), dist.get_rank()
     layout.check_world_size(world)
     timeout = group_timeout(timeout_s)
-    mesh = GenMesh(gen, rank)
+    mesh = GenMesh(gen, rank, world_group=_whole_world(world))
     mesh.gen_tp_group, mesh.gen_tp_ranks = _my_group(gen.gen_tp_groups(), rank, timeout)
     mesh.micro_dp_group, ranks = _my_group(gen.micro_dp_groups(), rank, timeout)
     mesh.micro_dp_ranks = sorted(ranks)
     return mesh
+
+
+@dataclass
+class Meshes:
+    """Every process group of a run, built once by `build_meshes` (the launcher's job)."""
+
+    layout: RunLayout
+    actor: ParallelMesh
+    gen: GenMesh
+    ref: ParallelMesh | None = None
+    critic: ParallelMesh | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.actor.rank
+
+    @property
+    def world(self):
+        """The group of all ranks (None on one process)."""
+        return self.actor.world_group
+
+
+def build_meshes(layout: RunLayout, timeout_s: float | None = None) -> Meshes:
+    """Build the groups of every role's layout and of the generation layout (collective: every
+    rank calls it, with the same layout). Roles of one (tp, pp, dp) shape share their groups."""
+    by_shape: dict[tuple[int, int, int], ParallelMesh] = {}
+    roles = {}
+    for name, lay in layout.roles().items():
+        if lay.shape not in by_shape:
+            by_shape[lay.shape] = build_mesh(lay, timeout_s)
+        shared = by_shape[lay.shape]
+        roles[name] = shared if shared.layout == lay else \
+            dataclasses.replace(shared, layout=lay)       # same groups, its own sp switch
+    gen = build_gen_mesh(layout.rollout, timeout_s)
+    return Meshes(layout, roles["actor"], gen, roles.get("ref"), roles.get("critic"))

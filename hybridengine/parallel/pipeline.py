@@ -31,6 +31,7 @@ class StageComm:
     def __init__(self, mesh, dtype: torch.dtype, device):
         self.mesh, self.dtype, self.device = mesh, dtype, device
         s, ranks = mesh.pp_rank, mesh.pp_ranks
+        self.group = mesh.pp_group              # peers are global ranks of this group
         self.prev = ranks[s - 1] if s > 0 else None
         self.next = ranks[s + 1] if s + 1 < len(ranks) else None
 
@@ -38,15 +39,15 @@ class StageComm:
         """Issue the given transfers together; recv_* are shapes. Returns (from_prev, from_next)."""
         ops, got_prev, got_next = [], None, None
         if send_next is not None and self.next is not None:
-            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next))
+            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next, group=self.group))
         if send_prev is not None and self.prev is not None:
-            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev))
+            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev, group=self.group))
         if recv_prev is not None and self.prev is not None:
             got_prev = torch.empty(recv_prev, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, got_prev, self.prev))
+            ops.append(dist.P2POp(dist.irecv, got_prev, self.prev, group=self.group))
         if recv_next is not None and self.next is not None:
             got_next = torch.empty(recv_next, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, got_next, self.next))
+            ops.append(dist.P2POp(dist.irecv, got_next, self.next, group=self.group))
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()

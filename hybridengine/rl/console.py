@@ -168,7 +168,7 @@ class RunFacts:
         arr, d, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
         critic = trainer.critic
         roles = [f"actor {_layout(lay.actor)}",
-                 f"rollout tp={lay.rollout_tp} dp={lay.rollout_dp} ({arr.rollout.name})"]
+                 f"rollout tp={lay.rollout.tp} dp={lay.rollout.dp} ({arr.rollout.name})"]
         roles += [f"{name} {_layout(role)}" for name, role in (("ref", lay.ref),
                                                                  ("critic", lay.critic)) if role]
         kl = ""

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from hybridengine.compiling import CompileWatch
 from hybridengine.hybrid.reshard import HybridEngine
-from hybridengine.parallel.mesh import build_gen_mesh
-from hybridengine.parallel.tensor import all_gather_dim0
+from hybridengine.parallel.mesh import GenMesh
+from hybridengine.parallel.tensor import all_gather_dim0, all_reduce
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.sampling import SamplingParams
 from hybridengine.rollout.vllm import (VllmRollout, check_model as check_vllm_model,
@@ -47,13 +47,17 @@ class Generated:
 
 
 class Generator:
-    """Owns the HybridEngine and the rollout engine of the actor."""
+    """Owns the HybridEngine and the rollout engine of the actor; `gen_mesh` holds the groups of
+    the actor's generation layout (parallel.mesh.build_meshes)."""
 
-    def __init__(self, actor_engine, gen_tp: int, rollout_cfg, reshard_mode: str,
+    def __init__(self, actor_engine, gen_mesh: GenMesh, rollout_cfg, reshard_mode: str,
                  bucket_mb: float, dtype: torch.dtype, max_model_len: int,
                  residency=None, direct_min_mb: float | None = 4.0):
         self.actor, self.mesh = actor_engine, actor_engine.mesh
-        self.gen_mesh = build_gen_mesh(self.mesh.layout, gen_tp)
+        if gen_mesh.gen_layout.train.shape != self.mesh.layout.shape:
+            raise ValueError(f"the generation layout {gen_mesh.gen_layout} is not the actor's "
+                             f"{self.mesh.layout}")
+        self.gen_mesh = gen_mesh
         self.hybrid = HybridEngine(actor_engine.cfg, self.mesh, self.gen_mesh, mode=reshard_mode,
                                    bucket_mb=bucket_mb, dtype=dtype,
                                    direct_min_mb=direct_min_mb)
@@ -138,10 +142,10 @@ class Generator:
         """All-gather every replica's results; keep TP rank 0's copy of each replica's.
         sampled: report the sampling distribution's log-probs (else the T = 1 ones)."""
         width = max([len(r.token_ids) for r in results] + [1])
-        if dist.is_initialized():
+        world = self.gen_mesh.world_group
+        if world is not None:
             w = torch.tensor([width], device=self.actor.device)
-            dist.all_reduce(w, op=dist.ReduceOp.MAX)
-            width = int(w.item())
+            width = int(all_reduce(w, world, dist.ReduceOp.MAX).item())
         rows = (num_prompts + self.gen_mesh.gen_dp - 1) // self.gen_mesh.gen_dp * n
         ids = torch.full((rows, width + 2), -1, dtype=torch.float64)   # [len, finish, ids...]
         lps = torch.zeros(rows, width, dtype=torch.float64)
@@ -151,7 +155,6 @@ class Generator:
             lp = r.sampled_logprobs if sampled else r.logprobs
             lps[k, :len(lp)] = torch.tensor(lp, dtype=torch.float64)
         flat = torch.cat([ids, lps], dim=1).to(self.actor.device)
-        world = dist.group.WORLD if dist.is_initialized() else None
         gathered = all_gather_dim0(flat, world).cpu() if world is not None else flat.cpu()
         per_rank = gathered.view(-1, rows, flat.shape[1])
         out_ids: list = [None] * (num_prompts * n)

@@ -42,7 +42,13 @@ class RunError(RuntimeError):
 
 
 class PeerFailure(RunError):
-    """A collective timed out or lost its peer; names this rank, its phase and the wait."""
+    """A collective timed out or lost its peer; names this rank, its phase and the wait.
+    `kind` is 'timeout' (this rank is the one that knows: the peer hangs) or 'lost' (the peer
+    exited, and the peer's own exit is the failure's cause)."""
+
+    def __init__(self, message: str, kind: str = "timeout"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class NonFiniteUpdate(RunError):
@@ -96,7 +102,7 @@ class Phases:
             kind = peer_failure_kind(e)
             if kind is None:
                 raise
-            raise PeerFailure(self.describe(kind, time.monotonic() - start)) from e
+            raise PeerFailure(self.describe(kind, time.monotonic() - start), kind) from e
         finally:
             self.name = outer
 
@@ -151,10 +157,16 @@ def inject_faults(step: int, rank: int, world_size: int) -> None:
 # ----------------------------------------------------------------------------- saying it once
 
 TRACEBACK_ENV = "HYBRIDENGINE_TRACEBACK"
-# A rank that leaves the report to another waits this long before it exits, so that under
-# torchrun the rank that spoke ends first and is the root cause of torchrun's summary (torchrun
-# stops the waiting ranks as soon as one exits).
+# A rank that leaves the report to another, or that lost a peer which has exited, waits this
+# long before it exits, so that under torchrun the rank that spoke (or died) ends first and is
+# the root cause of torchrun's summary (torchrun stops the waiting ranks as soon as one exits).
 _DEFER_S = 10.0
+
+
+def defer_exit_under_torchrun() -> None:
+    """Wait _DEFER_S when torchrun watches this rank (it then stops it sooner)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(_DEFER_S)
 
 
 def traceback_wanted() -> bool:
@@ -182,9 +194,8 @@ def report_failure(message: str, code: int, rank: int, details: str | None = Non
         sys.stderr.flush()
         _record_for_torchrun(message, code, details)
         return True
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        time.sleep(_DEFER_S)
-        _record_for_torchrun(message, code, details)
+    defer_exit_under_torchrun()
+    _record_for_torchrun(message, code, details)
     return False
 
 

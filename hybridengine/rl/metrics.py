@@ -1,6 +1,8 @@
 """Batch statistics with verl's metric names, and the model FLOPs of one RL step."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridengine.rl.advantages import masked_mean
@@ -63,3 +65,42 @@ def step_flops(model_cfg, seqlens: list[int], cfg, has_ref: bool,
         out["values"] = value_fwd
         out["update_critic"] = 3 * value_fwd * cfg.critic.ppo_epochs
     return out
+
+
+def perf_metrics(batch: Batch, timings: dict[str, float], flops: dict[str, float], world: int,
+                 peak: float | None, device: torch.device) -> dict[str, float]:
+    """verl's perf/ keys of a step: tokens, step time, throughput per rank and MFU, over the
+    whole step and per phase (each over its own time). `flops`: step_flops's; `peak`: a rank's
+    peak FLOP/s (None off-GPU: the measured rate of _cpu_peak)."""
+    tokens = sum(batch.seqlens)
+    step_s = timings["step"]
+    out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s,
+           "perf/throughput": tokens / step_s / world}
+    rates = {"perf/mfu": sum(flops.values()) / step_s / world}
+    rates.update({f"perf/mfu/{phase}": f / timings[phase] / world
+                  for phase, f in flops.items() if timings.get(phase)})
+    peak = peak or _cpu_peak(max(rates.values()))
+    out.update({key: rate / peak for key, rate in rates.items()})
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+_CPU_PEAK: list[float] = []
+
+
+def _cpu_peak(achieved: float = 0.0) -> float:
+    """The MFU denominator off-GPU, per rank: the best fp32 rate of 1024^2 matmuls this process
+    measured (best of 5, once), raised to any rate a step `achieved`. A measured rate, not a
+    datasheet peak: a busy machine can measure low, and a step never shows mfu > 1."""
+    if not _CPU_PEAK:
+        a = torch.randn(1024, 1024)
+        a @ a
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - t0)
+        _CPU_PEAK.append(2 * 1024**3 / best)
+    _CPU_PEAK[0] = max(_CPU_PEAK[0], achieved)
+    return _CPU_PEAK[0]

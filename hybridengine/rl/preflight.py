@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.config import ConfigError, EngineLayout, uses_critic, validate_config
+from hybridengine.config import ConfigError, uses_critic, validate_config
 from hybridengine.models.hf import read_model_config
+from hybridengine.parallel.layout import RunLayout
 from hybridengine.rl.tracking import check_backends
 
 
-def preflight(cfg, world_size: int) -> tuple[EngineLayout | None, list[str]]:
+def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
     """(the layout, or None when the config's rules fail; every error, a line each): the
     checks of the module docstring, in that order."""
     layout, errors = None, []
@@ -52,3 +53,11 @@ def preflight(cfg, world_size: int) -> tuple[EngineLayout | None, list[str]]:
                           f"{d.max_prompt_length}+{d.max_response_length} exceeds the context "
                           f"of {key}={path} (max_position_embeddings={context})")
     return layout, errors
+
+
+def checked_layout(cfg, world_size: int) -> RunLayout:
+    """The run's layout once every preflight check passed; else one ConfigError with them all."""
+    layout, errors = preflight(cfg, world_size)
+    if errors:
+        raise ConfigError(errors)
+    return layout

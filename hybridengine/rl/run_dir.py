@@ -124,9 +124,10 @@ def _decide(root: Path, resume_mode: str, overwrite: bool, resumable: bool) -> s
 
 
 def claim_run_dir(root: str | os.PathLike, resume_mode: str, overwrite: bool, resumable: bool,
-                  rank: int = 0) -> RunDirLock | None:
+                  rank: int = 0, group=None) -> RunDirLock | None:
     """Lock root on rank 0 and check a fresh start against what is there (module doc). Returns
-    rank 0's lock (hold it for the run), None on other ranks; raises RunDirError everywhere."""
+    rank 0's lock (hold it for the run), None on other ranks; raises RunDirError everywhere.
+    `group`: all ranks of the run (rank 0 tells them its verdict); None for one process."""
     root, lock, error = Path(root), None, None
     if rank == 0:
         try:
@@ -137,9 +138,9 @@ def claim_run_dir(root: str | os.PathLike, resume_mode: str, overwrite: bool, re
         if lock is not None and lock.previous_owner and error is None:
             print(f"note: took over the lock of an earlier run that ended without releasing it"
                   f"{_describe(lock.previous_owner)}", flush=True)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if group is not None:
         box = [error]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         error = box[0]
     if error is not None:
         if lock is not None:

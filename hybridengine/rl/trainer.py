@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
-from hybridengine.config import ConfigError, uses_critic, uses_reference
+from hybridengine.config import uses_critic, uses_reference
 from hybridengine.engine import TrainEngine
 from hybridengine.parallel import checkpoint as ckpt
-from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.parallel.mesh import Meshes, build_meshes
 from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.console import RunFacts, header_lines
 from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, load_tokenizer
 from hybridengine.rl.generation import Generator
-from hybridengine.rl.guards import Phases, SaveError, count_skipped_updates, inject_faults
-from hybridengine.rl.metrics import batch_metrics, step_flops
+from hybridengine.rl.checkpointing import RunCheckpoints
+from hybridengine.rl.guards import Phases, count_skipped_updates, inject_faults
+from hybridengine.rl.metrics import batch_metrics, perf_metrics, step_flops
 from hybridengine.rl.residency import Residency, offload_parts
 from hybridengine.rl.rewards import build_reward
 from hybridengine.rl.flops import peak_flops
@@ -35,7 +35,7 @@ from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
 from hybridengine.rl.rollout import RolloutCollector
 from hybridengine.rl.run_dir import claim_run_dir
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
-from hybridengine.rl.preflight import preflight
+from hybridengine.rl.preflight import checked_layout
 from hybridengine.rl.tracking import Tracker, timer
 
 
@@ -61,21 +61,26 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Trainer:
-    def __init__(self, cfg, world_size: int = 1, rank: int = 0):
-        self.cfg, self.rank, self.world = cfg, rank, world_size
-        self.layout, errors = preflight(cfg, world_size)   # every error at once, nothing written
-        if errors:
-            raise ConfigError(errors)
+    """One RL run on the process groups `meshes` (parallel.mesh.build_meshes: launch/ppo.py builds
+    them after the preflight checks). None: a run of this process alone (tests, benchmarks),
+    checked and meshed here."""
+
+    def __init__(self, cfg, meshes: Meshes | None = None):
+        if meshes is None:       # every error at once, before anything is written or loaded
+            meshes = build_meshes(checked_layout(cfg, 1), cfg.trainer.collective_timeout_s)
+        self.cfg, self.meshes, self.layout = cfg, meshes, meshes.layout
+        self.rank, self.world = meshes.rank, meshes.world_size
         self.device = _device(cfg)
         self.root = Path(cfg.trainer.default_local_dir)
         t = cfg.trainer
         # before anything loads: a second run on this directory, or a fresh start over an
         # earlier run, fails in a second and leaves the directory as it was (rl.run_dir)
         self.run_lock = claim_run_dir(
-            self.root, t.resume_mode, bool(t.overwrite), rank=rank,
+            self.root, t.resume_mode, bool(t.overwrite), rank=self.rank,
             resumable=t.resume_mode == "resume_path"
-            or (t.resume_mode == "auto" and ckpt.find_latest(self.root) is not None))
-        self.phases = Phases(rank, cfg.trainer.collective_timeout_s)
+            or (t.resume_mode == "auto" and ckpt.find_latest(self.root) is not None),
+            group=meshes.world)
+        self.phases = Phases(self.rank, cfg.trainer.collective_timeout_s)
         torch.manual_seed(cfg.trainer.seed)
         model = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model.path, bool(model.get("trust_remote_code", False)))
@@ -90,6 +95,9 @@ class Trainer:
             cfg.algorithm.rollout_correction)
         self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn)
         self.peak = peak_flops() if self.device.type == "cuda" else None
+        self.checkpoints = RunCheckpoints(self.root, meshes.world, self.rank,
+                                          {"actor": self.actor, "critic": self.critic},
+                                          self.sampler, self.kl_ctrl, self.residency)
 
     # --- setup --------------------------------------------------------------------------------
     def _build_data(self):
@@ -103,14 +111,8 @@ class Trainer:
         self.sampler = ResumableSampler(len(self.train_ds), d.train_batch_size,
                                         self.cfg.trainer.total_epochs, d.seed, d.shuffle)
 
-    def _mesh(self, role_layout, cache: dict):
-        key = (role_layout.tp, role_layout.pp, role_layout.dp)
-        if key not in cache:
-            cache[key] = build_mesh(Layout(*key), self.cfg.trainer.collective_timeout_s)
-        return cache[key]
-
     def _build_roles(self):
-        cfg, lay, meshes = self.cfg, self.layout, {}
+        cfg, lay, meshes = self.cfg, self.layout, self.meshes
         arr = cfg.actor_rollout_ref
         a_meg = arr.actor.megatron
         dtype = _dtype(a_meg.param_dtype, self.device)
@@ -119,7 +121,7 @@ class Trainer:
         # so the ratio and the KL are those of the policy that sampled
         temperature = scoring_temperature(arr.rollout)
         actor_engine = TrainEngine(
-            arr.model.path, self._mesh(lay.actor, meshes), dtype=dtype, device=self.device,
+            arr.model.path, meshes.actor, dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
             temperature=temperature,
             recompute=bool(arr.model.enable_gradient_checkpointing),
@@ -127,7 +129,7 @@ class Trainer:
         self.actor = Actor(actor_engine, arr)
         self.ref = None
         if uses_reference(cfg):
-            ref_engine = TrainEngine(arr.model.path, self._mesh(lay.ref, meshes), dtype=dtype,
+            ref_engine = TrainEngine(arr.model.path, meshes.ref, dtype=dtype,
                                      device=self.device, compile_layers=compile_lm,
                                      temperature=temperature,
                                      sequence_parallel=lay.ref.sequence_parallel)
@@ -136,7 +138,7 @@ class Trainer:
         if uses_critic(cfg):
             c = cfg.critic
             critic_engine = TrainEngine(
-                c.model.path, self._mesh(lay.critic, meshes), value_head=True,
+                c.model.path, meshes.critic, value_head=True,
                 compile_layers=bool(c.use_torch_compile),
                 recompute=bool(c.model.enable_gradient_checkpointing),
                 dtype=_dtype(c.megatron.param_dtype, self.device), device=self.device,
@@ -150,7 +152,7 @@ class Trainer:
             offload["critic"] = (self.critic.engine, offload_parts(cfg.critic.megatron, True))
         self.residency = Residency(offload)
         r, h = arr.rollout, cfg.trainer.hybrid_engine
-        self.generator = Generator(actor_engine, r.tensor_model_parallel_size, r,
+        self.generator = Generator(actor_engine, meshes.gen, r,
                                    h.reshard_mode, h.reshard_bucket_mb,
                                    _dtype(r.dtype, self.device),
                                    cfg.data.max_prompt_length + cfg.data.max_response_length,
@@ -262,20 +264,9 @@ class Trainer:
             self.critic.engine.optimizer.step_schedule()
 
     def _perf(self, batch: Batch, timings: dict) -> dict:
-        tokens = sum(batch.seqlens)
-        step_s = timings["step"]
-        out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s,
-               "perf/throughput": tokens / step_s / self.world}
         flops = step_flops(self.actor.engine.cfg, batch.seqlens, self.cfg, self.ref is not None,
                            self.critic is not None)
-        rates = {"perf/mfu": sum(flops.values()) / step_s / self.world}
-        rates.update({f"perf/mfu/{phase}": f / timings[phase] / self.world   # over its own time
-                      for phase, f in flops.items() if timings.get(phase)})
-        peak = self.peak or _cpu_peak(max(rates.values()))
-        out.update({key: rate / peak for key, rate in rates.items()})
-        if self.device.type == "cuda":
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        return out
+        return perf_metrics(batch, timings, flops, self.world, self.peak, self.device)
 
     # --- validation ---------------------------------------------------------------------------
     def validate(self) -> dict:
@@ -283,72 +274,13 @@ class Trainer:
             return {}
         return self.collector.validate(self.val_ds)
 
-    # --- checkpoints --------------------------------------------------------------------------
+    # --- checkpoints (rl.checkpointing) -------------------------------------------------------
     def save(self, step: int) -> Path:
-        """Checkpoint `step`; on a write error (disk full) the previous checkpoint stays the
-        latest, intact, and SaveError says so in one line."""
-        self.residency.enter("save")
-        try:
-            return self._save(step)
-        except OSError as e:
-            last = ckpt.find_latest(self.root)
-            kept = f"global_step_{last} is the latest, intact" if last else "no earlier one"
-            raise SaveError(f"saving checkpoint global_step_{step} under {self.root} failed: "
-                            f"{e.strerror or e}; {kept}") from e
-
-    def _save(self, step: int) -> Path:
-        tmp = ckpt.begin_checkpoint(self.root, step)
-        self.actor.engine.save_hf(tmp / "actor")
-        if self.critic is not None:
-            self.critic.engine.save_hf(tmp / "critic")
-        tensors, meta = {}, {"step": step, "sampler": self.sampler.state_dict(),
-                             "kl_ctrl": self.kl_ctrl.state_dict()}
-        for name, role in (("actor", self.actor), ("critic", self.critic)):
-            if role is not None:
-                t, m = role.engine.optimizer.state_dict()
-                tensors.update({f"{name}/{k}": v for k, v in t.items()})
-                meta[f"{name}_optimizer"] = m
-        ckpt.write_rank_state(tmp, tensors, meta)
-        return ckpt.commit_checkpoint(self.root, step)
+        return self.checkpoints.save(step)
 
     def resume(self) -> int:
-        """Load the latest checkpoint (trainer.resume_mode); returns the step it ends at (0)."""
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            return 0
-        path = self.cfg.trainer.resume_from_path if mode == "resume_path" else None
-        if path is None:
-            if ckpt.find_latest(self.root) is None:
-                return 0
-            path = self.root
-        try:
-            tensors, meta = ckpt.load_checkpoint(path, self.rank)
-        except ckpt.CorruptCheckpoint as e:
-            raise ValueError(f"{e}; {self._earlier_checkpoint_hint(e.file)}") from None
-        self.residency.enter("resume")
-        for name, role in (("actor", self.actor), ("critic", self.critic)):
-            if role is not None:
-                pre = f"{name}/"
-                try:
-                    role.engine.optimizer.load_state_dict(
-                        {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)},
-                        meta[f"{name}_optimizer"])
-                except ValueError as e:     # another model or layout wrote it
-                    raise ValueError(f"cannot resume {name} from {path}: {e}") from None
-        self.sampler.load_state_dict(meta["sampler"])
-        self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
-        return int(meta["step"])
-
-    def _earlier_checkpoint_hint(self, file: Path) -> str:
-        """What to resume from instead of the checkpoint that holds the unreadable `file`."""
-        ckpt_dir = file.parent.parent                       # global_step_N/state/<file>
-        step = int(ckpt_dir.name.rpartition("_")[2].partition(".")[0])
-        earlier = ckpt.earlier_checkpoint(ckpt_dir.parent, step)
-        if earlier is None:
-            return ("no earlier checkpoint: start fresh with trainer.resume_mode=disable "
-                    "trainer.overwrite=true")
-        return (f"resume from the previous one with trainer.resume_mode=resume_path "
-                f"trainer.resume_from_path={ckpt_dir.parent / f'global_step_{earlier}'}")
+        t = self.cfg.trainer
+        return self.checkpoints.resume(t.resume_mode, t.resume_from_path)
 
     # --- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -411,22 +343,3 @@ class Trainer:
                   f"// data.train_batch_size={s.batch_size} = {s.num_batches_per_epoch} per epoch "
                   f"x trainer.total_epochs={s.total_epochs})", flush=True)
 
-
-_CPU_PEAK: list[float] = []
-
-
-def _cpu_peak(achieved: float = 0.0) -> float:
-    """The MFU denominator off-GPU, per rank: the best fp32 rate of 1024^2 matmuls this process
-    measured (best of 5, once), raised to any rate a step `achieved`. A measured rate, not a
-    datasheet peak: a busy machine can measure low, and a step never shows mfu > 1."""
-    if not _CPU_PEAK:
-        a = torch.randn(1024, 1024)
-        a @ a
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            a @ a
-            best = min(best, time.perf_counter() - t0)
-        _CPU_PEAK.append(2 * 1024**3 / best)
-    _CPU_PEAK[0] = max(_CPU_PEAK[0], achieved)
-    return _CPU_PEAK[0]

