@@ -55,12 +55,12 @@ def main(argv: list[str]) -> None:
         env = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
         _warn_if_restarts_cannot_reconnect()
         from hybridengine.parallel.mesh import build_meshes
-        from hybridengine.rl.preflight import checked_layout
+        from hybridengine.rl.preflight import checked_run_config
         from hybridengine.rl.trainer import Trainer
         # every config / data / model error at once, before a group is built or a file written
-        layout = checked_layout(cfg, env.world_size)
-        meshes = build_meshes(layout, cfg.trainer.collective_timeout_s)   # every process group
-        Trainer(cfg, meshes).fit()
+        run = checked_run_config(cfg, env.world_size)       # typed: config.schema.RunConfig
+        meshes = build_meshes(run.layout, run.trainer.collective_timeout_s)   # every group
+        Trainer(run, meshes).fit()
     except BaseException as e:  # noqa: BLE001 - _fail words ours and exits; the rest re-raise
         _fail(e, rank, cfg)
         raise

@@ -355,3 +355,40 @@ def test_attention_backend_choices_match_the_rollout_engine():
     from hybridengine.rollout.attention import BACKENDS, PREFILL_ATTENTION
     assert CHOICES["actor_rollout_ref.rollout.attn_backend"] == BACKENDS
     assert CHOICES["actor_rollout_ref.rollout.prefill_attention"] == PREFILL_ATTENTION
+
+
+# --- the typed run config (config.schema) -------------------------------------------------------
+
+@pytest.mark.parametrize("config_file", sorted(p.name for p in (Path(__file__).resolve().parent.parent
+                                                                / "configs").glob("*.yaml")))
+def test_typed_config_mirrors_every_shipped_config_key_for_key(config_file):
+    from hybridengine.config.schema import RunConfig
+    cfg = load_config(["--config", f"configs/{config_file}", "actor_rollout_ref.model.path=m"])
+    meg = cfg.actor_rollout_ref.actor.megatron
+    world = meg.tensor_model_parallel_size * meg.pipeline_model_parallel_size
+    run = RunConfig.build(cfg, derive_layout(cfg, world))
+    # every leaf of the tree is the typed config's value at the same path (lists as tuples)
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if OmegaConf.is_dict(value):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+    for key, value in leaves(cfg):
+        typed = run
+        for part in key.split("."):
+            typed = getattr(typed, part)
+        expected = tuple(value) if OmegaConf.is_list(value) else value
+        if key in ("data.train_files", "data.val_files") and isinstance(value, str):
+            expected = (value,)
+        assert typed == expected, key
+    assert run.layout.actor.tp == meg.tensor_model_parallel_size
+
+
+def test_typed_config_refuses_a_tree_the_schema_does_not_describe():
+    from hybridengine.config.schema import RunConfig
+    cfg = load_config(RECIPE)
+    OmegaConf.set_struct(cfg, False)
+    cfg.trainer.hybrid_engine.new_knob = 3
+    with pytest.raises(TypeError, match=r"trainer\.hybrid_engine.*only in the tree \['new_knob'\]"):
+        RunConfig.build(cfg, derive_layout(load_config(RECIPE), 1))

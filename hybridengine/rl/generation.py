@@ -62,7 +62,7 @@ class Generator:
                                    bucket_mb=bucket_mb, dtype=dtype,
                                    direct_min_mb=direct_min_mb)
         self.cfg, self.dtype, self.max_model_len = rollout_cfg, dtype, max_model_len
-        self.backend = getattr(rollout_cfg, "name", "builtin")
+        self.backend = rollout_cfg.name
         if self.backend not in BACKENDS:
             raise ValueError(f"actor_rollout_ref.rollout.name={self.backend!r} is not one of "
                              f"{BACKENDS}")
@@ -100,11 +100,10 @@ class Generator:
                                  gpu_memory_utilization=c.gpu_memory_utilization,
                                  max_prefill_tokens=max(16384, self.max_model_len),
                                  enforce_eager=c.enforce_eager or dev.type != "cuda",
-                                 compile=bool(c.get("compile", False)) and dev.type == "cuda",
-                                 compile_prefill=bool(c.get("compile_prefill", False))
-                                 and dev.type == "cuda",
-                                 attn_backend=c.get("attn_backend", "auto"),
-                                 prefill_attention=c.get("prefill_attention", "auto"),
+                                 compile=c.compile and dev.type == "cuda",
+                                 compile_prefill=c.compile_prefill and dev.type == "cuda",
+                                 attn_backend=c.attn_backend,
+                                 prefill_attention=c.prefill_attention,
                                  device=dev, dtype=self.dtype)
         return self.engine
 

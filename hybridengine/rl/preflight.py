@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridengine.config import ConfigError, uses_critic, validate_config
+from hybridengine.config.schema import RunConfig
 from hybridengine.models.hf import read_model_config
 from hybridengine.parallel.layout import RunLayout
 from hybridengine.rl.tracking import check_backends
@@ -61,3 +62,9 @@ def checked_layout(cfg, world_size: int) -> RunLayout:
     if errors:
         raise ConfigError(errors)
     return layout
+
+
+def checked_run_config(tree, world_size: int) -> RunConfig:
+    """The typed run config (config.schema) of a loaded tree once every preflight check
+    passed; else one ConfigError with them all."""
+    return RunConfig.build(tree, checked_layout(tree, world_size))

@@ -47,7 +47,7 @@ def offload_parts(megatron_cfg, has_optimizer: bool) -> tuple[str, ...]:
     """The parts a role's megatron config asks to offload (a role without an optimizer, the
     reference, only has params)."""
     parts = PARTS if has_optimizer else PARTS[:1]
-    return tuple(p for p in parts if bool(megatron_cfg.get(OFFLOAD_FLAGS[p], False)))
+    return tuple(p for p in parts if getattr(megatron_cfg, OFFLOAD_FLAGS[p]))
 
 
 class Residency:

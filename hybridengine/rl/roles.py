@@ -8,8 +8,9 @@ micro-batches), so gradient sums over DP equal a single-process run (see rl.loss
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 
+from hybridengine.config.schema import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
+    MegatronSection, OptimSection, RefConfig
 from hybridengine.engine import OptimConfig, TrainEngine
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
@@ -17,7 +18,7 @@ from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_en
     compute_kl_loss, compute_value_loss, get_policy_loss_fn
 
 
-def optim_config(optim: DictConfig, megatron: DictConfig, grad_clip: float,
+def optim_config(optim: OptimSection, megatron: MegatronSection, grad_clip: float,
                  total_steps: int) -> OptimConfig:
     warmup = optim.lr_warmup_steps
     if warmup is None or warmup < 0:
@@ -25,10 +26,10 @@ def optim_config(optim: DictConfig, megatron: DictConfig, grad_clip: float,
     return OptimConfig(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
                        grad_clip=grad_clip, warmup_steps=warmup, total_steps=total_steps,
                        schedule=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio or 0.0,
-                       use_distributed_optimizer=megatron.get("use_distributed_optimizer", True))
+                       use_distributed_optimizer=megatron.use_distributed_optimizer)
 
 
-def policy_loss_config(actor: DictConfig) -> PolicyLossConfig:
+def policy_loss_config(actor: ActorConfig) -> PolicyLossConfig:
     """actor.clip_ratio_{low,high} (null: clip_ratio), clip_ratio_c and actor.policy_loss.*."""
     pick = lambda v: actor.clip_ratio if v is None else v      # noqa: E731
     p = actor.policy_loss
@@ -99,7 +100,7 @@ class Role:
 
 
 class Actor(Role):
-    def __init__(self, engine: TrainEngine, cfg: DictConfig):
+    def __init__(self, engine: TrainEngine, cfg: ActorRolloutRefConfig):
         a, r = cfg.actor, cfg.rollout
         super().__init__(engine, r.log_prob_micro_batch_size_per_gpu,
                          r.log_prob_max_token_len_per_gpu, r.log_prob_use_dynamic_bsz)
@@ -144,7 +145,7 @@ class Actor(Role):
 
 
 class Critic(Role):
-    def __init__(self, engine: TrainEngine, cfg: DictConfig, loss_agg_mode: str):
+    def __init__(self, engine: TrainEngine, cfg: CriticConfig, loss_agg_mode: str):
         super().__init__(engine, cfg.forward_micro_batch_size_per_gpu,
                          cfg.forward_max_token_len_per_gpu, cfg.use_dynamic_bsz)
         self.cfg, self.loss_agg_mode = cfg, loss_agg_mode
@@ -168,6 +169,6 @@ class Critic(Role):
 
 
 class Reference(Role):
-    def __init__(self, engine: TrainEngine, cfg: DictConfig):
+    def __init__(self, engine: TrainEngine, cfg: RefConfig):
         super().__init__(engine, cfg.log_prob_micro_batch_size_per_gpu,
                          cfg.log_prob_max_token_len_per_gpu, cfg.log_prob_use_dynamic_bsz)

@@ -37,12 +37,13 @@ class RolloutCollector:
         self.stop_ids = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
         self.max_resp = cfg.data.max_response_length
 
-    def sampling(self, kw, seed: int) -> SamplingParams:
+    def sampling(self, kw, seed: int, ignore_eos: bool = False) -> SamplingParams:
+        """SamplingParams of the rollout section or its val_kwargs `kw`."""
         greedy = not kw.do_sample or kw.temperature == 0
         return SamplingParams(n=kw.n, temperature=0.0 if greedy else kw.temperature,
                               top_p=kw.top_p, top_k=kw.top_k, max_tokens=self.max_resp,
                               stop_token_ids=self.stop_ids, seed=seed,
-                              ignore_eos=bool(kw.get("ignore_eos", False)))
+                              ignore_eos=ignore_eos)
 
     def _generate(self, items: list[dict], params: SamplingParams) -> tuple[Batch, dict]:
         gen = self.generator.generate([it["prompt_ids"] for it in items], params)
@@ -99,7 +100,8 @@ class RolloutCollector:
         need, t_gen_max = self.cfg.data.train_batch_size, 0.0
         while indices is not None:
             rounds += 1
-            params = self.sampling(rk, seed=self.cfg.trainer.seed * 1_000_003 + step * 997 + rounds)
+            params = self.sampling(rk, seed=self.cfg.trainer.seed * 1_000_003 + step * 997 + rounds,
+                                   ignore_eos=rk.ignore_eos)
             items = [dataset[i] for i in indices]
             batch, metrics = self._generate(items, params)
             t0 = time.perf_counter()

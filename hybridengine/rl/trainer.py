@@ -14,9 +14,11 @@ import math
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 from torch.profiler import record_function
 
 from hybridengine.config import uses_critic, uses_reference
+from hybridengine.config.schema import RunConfig
 from hybridengine.engine import TrainEngine
 from hybridengine.parallel import checkpoint as ckpt
 from hybridengine.parallel.mesh import Meshes, build_meshes
@@ -35,7 +37,7 @@ from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
 from hybridengine.rl.rollout import RolloutCollector
 from hybridengine.rl.run_dir import claim_run_dir
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
-from hybridengine.rl.preflight import checked_layout
+from hybridengine.rl.preflight import checked_run_config
 from hybridengine.rl.tracking import Tracker, timer
 
 
@@ -61,14 +63,19 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Trainer:
-    """One RL run on the process groups `meshes` (parallel.mesh.build_meshes: launch/ppo.py builds
-    them after the preflight checks). None: a run of this process alone (tests, benchmarks),
-    checked and meshed here."""
+    """One RL run of the typed config `cfg` (config.schema.RunConfig; a loaded tree is checked
+    and typed here) on the process groups `meshes` (parallel.mesh.build_meshes: launch/ppo.py
+    builds both). meshes None: a run of this process alone (tests, benchmarks)."""
 
-    def __init__(self, cfg, meshes: Meshes | None = None):
-        if meshes is None:       # every error at once, before anything is written or loaded
-            meshes = build_meshes(checked_layout(cfg, 1), cfg.trainer.collective_timeout_s)
-        self.cfg, self.meshes, self.layout = cfg, meshes, meshes.layout
+    def __init__(self, cfg: RunConfig | DictConfig, meshes: Meshes | None = None):
+        if not isinstance(cfg, RunConfig):    # a loaded tree: every error at once, before
+            cfg = checked_run_config(cfg, meshes.world_size if meshes else 1)  # anything loads
+        if meshes is None:
+            meshes = build_meshes(cfg.layout, cfg.trainer.collective_timeout_s)
+        if meshes.layout != cfg.layout:
+            raise ValueError(f"the process groups were built for {meshes.layout}, the config "
+                             f"asks for {cfg.layout}")
+        self.cfg, self.meshes, self.layout = cfg, meshes, cfg.layout
         self.rank, self.world = meshes.rank, meshes.world_size
         self.device = _device(cfg)
         self.root = Path(cfg.trainer.default_local_dir)
@@ -83,7 +90,7 @@ class Trainer:
         self.phases = Phases(self.rank, cfg.trainer.collective_timeout_s)
         torch.manual_seed(cfg.trainer.seed)
         model = cfg.actor_rollout_ref.model
-        self.tokenizer = load_tokenizer(model.path, bool(model.get("trust_remote_code", False)))
+        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         crf = cfg.custom_reward_function   # before the models: a wrong path fails in a second
         self.reward_fn = build_reward(crf.path, crf.name, crf.weights)
         self._build_data()
