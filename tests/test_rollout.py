@@ -10,7 +10,8 @@ from dist_utils import run_dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import load_decoder
-from hybridengine.parallel.mesh import Layout, build_mesh
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.mesh import build_mesh
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.kv_cache import SlotAllocator
 from hybridengine.rollout.model_runner import graph_buckets
@@ -416,14 +417,15 @@ def test_auto_backend_falls_back_triton_then_flash_then_per_head_then_sdpa(monke
                             ({"flash", "flash_per_head"}, "flash"),
                             ({"flash_per_head"}, "flash_per_head"), (set(), "sdpa")]:
         monkeypatch.setattr(attention, "_decode_agrees",
-                            lambda device, dtype, backend, heads, ok=works: backend in ok)
+                            lambda device, dtype, backend, heads, settings, ok=works:
+                            backend in ok)
         assert attention.resolve_backend("auto", cuda, bf16) == expected
     assert attention.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
     with pytest.raises(ValueError, match="attn_backend='flash_per_head' needs CUDA"):
         attention.resolve_backend("flash_per_head", torch.device("cpu"), torch.float32)
     # a head shape the Triton kernel does not take (stories260K: head_dim 8) skips it
     monkeypatch.setattr(attention, "_decode_agrees",
-                        lambda device, dtype, backend, heads: True)
+                        lambda device, dtype, backend, heads, settings: True)
     assert attention.resolve_backend("auto", cuda, bf16, (8, 4, 8)) == "flash"
     with pytest.raises(ValueError, match="power-of-two head_dim >= 16"):
         attention.resolve_backend("triton", cuda, bf16, (8, 4, 8))
@@ -535,12 +537,12 @@ for dtype in (torch.float32, torch.float16):
     write_kv_rows(*caches, dst_slot, dst_pos, k, v, src)
     assert all(torch.equal(a, b) for a, b in zip(caches, ref)), dtype
     # the custom op takes the kernel in the interpreter, the torch path without it
+    # (RolloutKernelSettings.triton_kv_write)
     for use in (True, False):
-        attention.TRITON_KV_WRITE = use
         out = [t.clone() for t in ref]
         for t in out:
             t[dst_slot, dst_pos] = 0
-        attention.write_prefill_kv(*out, dst_slot, dst_pos, k, v, src)
+        attention.write_prefill_kv(*out, dst_slot, dst_pos, k, v, src, use)
         assert all(torch.equal(a, b) for a, b in zip(out, ref)), (dtype, use)
 print("ok")
 """
@@ -604,6 +606,56 @@ def test_fused_sampler_matches_the_torch_sampler_in_the_interpreter():
     and fp16 logits, with log-probs within 1e-5 of float64; its draws follow softmax(z / T)
     (chi-square)."""
     _run_in_triton_interpreter(SAMPLER_CHECK)
+
+
+SETTINGS_CHECK = """
+import os, torch
+os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
+from unittest import mock
+from hybridengine.kernels import decode_attention as da, sampler as fs
+from hybridengine.kernels.settings import RolloutKernelSettings
+from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.sampling import SamplingParams
+torch.manual_seed(0)
+cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=1,
+                  num_heads=4, num_kv_heads=2, head_dim=16)
+model = Decoder(cfg)
+other = RolloutKernelSettings(decode_block_n=16, decode_num_warps=2, decode_num_stages=2,
+                              pdl=False, decode_prefetch_keys=0, sampler_chunk_blocks=4,
+                              sampler_chunk_warps=4)
+engines = {s: Engine(model, max_num_seqs=3, max_model_len=40, attn_backend="triton",
+                     kernel_settings=s) for s in (RolloutKernelSettings(), other)}
+seen = []
+launch, sample = da._launch, fs.sample_temperature
+def launch_spy(*a, **k):
+    seen.append(("attention", k["block_n"], k["num_warps"], k["num_stages"], k["pdl"],
+                 k["prefetch_keys"]))
+    return launch(*a, **k)
+def sample_spy(*a, **k):
+    seen.append(("sampler", k["chunk_blocks"], k["chunk_warps"]))
+    return sample(*a, **k)
+runs = []
+with mock.patch.object(da, "_launch", launch_spy), \\
+        mock.patch.object(fs, "sample_temperature", sample_spy):
+    for s, engine in list(engines.items()) * 2:          # interleaved: each keeps its own
+        seen.clear()
+        runs.append(engine.generate([[1, 2, 3], [7] * 20],
+                                    SamplingParams(temperature=0.9, max_tokens=6, seed=3)))
+        assert set(seen) == {("attention", s.decode_block_n, s.decode_num_warps,
+                              s.decode_num_stages, s.pdl, s.decode_prefetch_keys),
+                             ("sampler", s.sampler_chunk_blocks, s.sampler_chunk_warps)}, seen
+for run in runs[1:]:                                     # the same tokens under every setting
+    assert [r.token_ids for r in run] == [r.token_ids for r in runs[0]]
+print("ok")
+"""
+
+
+def test_kernel_settings_reach_the_launchers_per_engine():
+    """Two engines in one process with different RolloutKernelSettings: each one's decode
+    attention and fused sampler launch with its own tile, warps, stages, PDL and prefetch
+    (interleaved generate calls, Triton's interpreter), and the tokens are the same."""
+    _run_in_triton_interpreter(SETTINGS_CHECK)
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -174,9 +174,10 @@ def test_programmatic_dependent_launch_changes_no_result():
     start while the kernel before them drains) a compiled bf16 rollout in CUDA graphs gives the
     same tokens and log-probs, bit for bit, as without: no kernel reads what its predecessor
     is still writing. 64 rows sampled at temperature 1, so every step fills the GPU."""
-    from hybridengine.kernels import decode_attention as da
-    from hybridengine.rollout import model_runner
-    if not da.pdl_supported(CUDA):
+    from hybridengine.kernels.decode_attention import pdl_supported
+    from hybridengine.kernels.settings import RolloutKernelSettings
+    from hybridengine.rollout.compile_steps import inductor_options
+    if not pdl_supported(CUDA):
         pytest.skip("programmatic dependent launch needs Hopper or later")
     model = _small_bf16()
     prompts = _prompts([5 + i % 40 for i in range(64)], SMALL.vocab_size, seed=6)
@@ -184,16 +185,15 @@ def test_programmatic_dependent_launch_changes_no_result():
     runs = []
     for pdl in (True, False):
         torch._dynamo.reset()       # the compiled steps are cached per function
-        da.PDL = model_runner.PDL = pdl
         try:
             for decode in (True, False):
-                options = model_runner._inductor_options(CUDA, decode)
+                options = inductor_options(CUDA, decode, pdl)
                 assert options.get("triton.enable_pdl", False) == pdl
             engine = Engine(model, max_num_seqs=64, max_model_len=96, max_prefill_tokens=1024,
-                            kv_cache_tokens=65 * 96, compile=True, compile_prefill=True)
+                            kv_cache_tokens=65 * 96, compile=True, compile_prefill=True,
+                            kernel_settings=RolloutKernelSettings(pdl=pdl))
             runs.append(engine.generate(prompts, params))
         finally:
-            da.PDL = model_runner.PDL = True
             torch._dynamo.reset()
     with_pdl, without = runs
     assert [r.token_ids for r in with_pdl] == [r.token_ids for r in without]

@@ -155,7 +155,8 @@ def run_cpu_case(heads, seed: int, num_prompts: int, static_too: bool) -> None:
         what = f"heads={heads} static={static}"
         got, _, seen, engine = generate(model, seed, attn_backend="triton", static=static,
                                         num_prompts=num_prompts, **CPU)
-        assert engine.runner.backend == "triton" and engine.runner.fused_rope, what
+        assert engine.runner.backend == "triton" and engine.runner.kernel_settings.fused_rope, \
+            what
         check_coverage(seen, engine, 2 if num_prompts else 1, what)
         check_same(got, ref, 1e-4, what)
         assert logprob_gap(model, prompts, got) < 1e-4, what
@@ -321,20 +322,20 @@ def test_random_rollouts_gpu_pdl_changes_no_bit(heads):
     """Programmatic dependent launch on and off (the fused decode attention and, compiled,
     inductor's kernels): the same tokens and log-probs bit for bit, eager, in graphs and
     compiled, bf16, every decode size."""
-    from hybridengine.kernels import decode_attention as da
-    from hybridengine.rollout import model_runner
-    if not da.pdl_supported(torch.device("cuda")):
+    from hybridengine.kernels.decode_attention import pdl_supported
+    from hybridengine.kernels.settings import RolloutKernelSettings
+    if not pdl_supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs Hopper or later")
     model = _gpu_model(heads, torch.bfloat16)
     runs = {}
     try:
         for pdl in (True, False):
-            da.PDL = model_runner.PDL = pdl
+            settings = RolloutKernelSettings(pdl=pdl)
             for name, kw in GPU_RUNS.items():
                 torch._dynamo.reset()       # the compiled steps are cached per function
-                runs[pdl, name] = generate(model, 4, attn_backend="triton", **kw, **GPU)[0]
+                runs[pdl, name] = generate(model, 4, attn_backend="triton", **kw, **GPU,
+                                           kernel_settings=settings)[0]
     finally:
-        da.PDL = model_runner.PDL = True
         torch._dynamo.reset()
     for name in GPU_RUNS:
         for a, b in zip(runs[True, name], runs[False, name]):

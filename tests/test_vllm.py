@@ -5,6 +5,7 @@ stream (views at gen-TP 1, bucketed all-gathers at gen-TP 2) rebuilds the checkp
 
 vLLM's CPU attention needs head_dim in {32, 64, ...}: these models have head_dim 32. vLLM runs in
 spawned ranks (run_dist), never in the pytest process. Skipped, with the reason, without vLLM."""
+import dataclasses
 import functools
 import importlib.util
 import subprocess
@@ -135,13 +136,20 @@ def test_vllm_replicas_are_consecutive_ranks():
 # --- parity after a training step (vLLM in spawned ranks) --------------------------------------
 
 def _generators(actor, gen_tp):
-    from omegaconf import OmegaConf
+    from hybridengine.config import derive_layout, load_config
+    from hybridengine.config.schema import RunConfig
+    from hybridengine.parallel.layout import GenLayout
+    from hybridengine.parallel.mesh import build_gen_mesh
     from hybridengine.rl.generation import Generator
+    tree = load_config(["actor_rollout_ref.model.path=m", "actor_rollout_ref.rollout.max_num_seqs=16",
+                        "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+                        "actor_rollout_ref.rollout.enforce_eager=true"])
+    rollout = RunConfig.build(tree, derive_layout(tree, 1)).actor_rollout_ref.rollout
     out = {}
     for name in ("vllm", "builtin"):
-        cfg = OmegaConf.create(dict(name=name, max_num_seqs=16, gpu_memory_utilization=0.5,
-                                    enforce_eager=True, free_cache_engine=True))
-        out[name] = Generator(actor, gen_tp, cfg, "zero_redundancy", 0.01, torch.float32, 64)
+        gen_mesh = build_gen_mesh(GenLayout(actor.mesh.layout, gen_tp))
+        out[name] = Generator(actor, gen_mesh, dataclasses.replace(rollout, name=name),
+                              "zero_redundancy", 0.01, torch.float32, 64)
     return out
 
 

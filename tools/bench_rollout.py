@@ -21,9 +21,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.kernels import sampler as fused_sampler  # noqa: E402
+from hybridengine.kernels.settings import RolloutKernelSettings  # noqa: E402
 from hybridengine.rollout.attention import BACKENDS, PREFILL_ATTENTION  # noqa: E402
 from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
@@ -68,25 +68,31 @@ def logprob_check(model, prompts, results, num: int = 4) -> float:
     return max_logprob_gap(model, prompts, results[:num])
 
 
-def bench_engine(model, prompts, args, device) -> dict:
-    """_bench_engine with the module switches the arguments name set for the run (and put back
-    after it): kernel settings the engine reads when it builds or launches."""
-    from hybridengine.kernels import decode_attention as da
-    from hybridengine.rollout import attention, model_runner
-    switches = []
+def kernel_settings(args) -> RolloutKernelSettings:
+    """The engine's kernel settings that the arguments name: the defaults, with the changes of
+    the benchmark's flags (a variant is a dataclasses.replace of the defaults)."""
+    changes = {}
     if args.kv_write == "torch":  # the dense prefill's cache write through torch's indexing
-        switches.append((attention, "TRITON_KV_WRITE", False))
+        changes["triton_kv_write"] = False
     if args.decode_launch:        # the Triton decode kernel's tile and launch
         block_n, warps, stages = (int(x) for x in args.decode_launch.split(","))
-        switches += [(da, "BLOCK_N", block_n),
-                     (da, "LAUNCH", dict(num_warps=warps, num_stages=stages))]
+        changes.update(decode_block_n=block_n, decode_num_warps=warps,
+                       decode_num_stages=stages)
     if args.no_pdl:               # no programmatic dependent launch
-        switches += [(da, "PDL", False), (model_runner, "PDL", False)]
+        changes["pdl"] = False
     if args.no_prefetch:          # the decode attention asks nothing into L2 before its wait
-        switches.append((da, "PREFETCH_KEYS", 0))
+        changes["decode_prefetch_keys"] = 0
+    if args.sampler == "torch":   # the torch sampler, not the fused Triton one
+        changes["fused_sampler"] = False
+    if args.separate_rope:        # RoPE and the cache write before the decode attention
+        changes["fused_rope"] = False
+    return replace(RolloutKernelSettings(), **changes)
+
+
+def bench_engine(model, prompts, args, device) -> dict:
+    """_bench_engine with the process-wide state the arguments name set for the run (and put
+    back after it)."""
     with contextlib.ExitStack() as stack:
-        for module, name, value in switches:
-            stack.enter_context(mock.patch.object(module, name, value))
         if args.no_pdl:
             # dynamo's cache is per code object: without a reset the compiled steps of an
             # earlier run (same functions, guards pass) would be reused, and later runs would
@@ -109,11 +115,10 @@ def build_engine(model, args) -> tuple[Engine, SamplingParams]:
                     max_prefill_tokens=max(args.max_prefill_tokens, max_len),
                     enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,
                     compile_prefill=args.compile_prefill,
-                    prefill_attention=args.prefill_attention)
+                    prefill_attention=args.prefill_attention,
+                    kernel_settings=kernel_settings(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    engine.runner.fused_sampler = args.sampler != "torch"
-    engine.runner.fused_rope = not args.separate_rope
     return engine, params
 
 
@@ -150,7 +155,9 @@ def _bench_engine(model, prompts, args, device) -> dict:
                                       "attn_backend", "prefill_attention", "cuda_graphs",
                                       "num_slots")})
     out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
-    out["fused_sampler"] = engine.runner.fused_sampler and fused_sampler.available(device)
+    settings = engine.runner.kernel_settings
+    out["fused_sampler"] = settings.fused_sampler and fused_sampler.available(device)
+    out["kernel_settings"] = asdict(settings)
     if getattr(args, "profile", False):
         out["profile"] = profile_generate(engine, prompts, params)
     engine.free_cache()

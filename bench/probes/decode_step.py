@@ -127,7 +127,6 @@ def attention(dev):
     # the cache layout: token-major (the KVCache's [slot, token, head, d]) against head-major
     # ([slot, head, token, d], passed as a permuted view: the kernel takes any strides)
     rows = []
-    base = (da.BLOCK_N, dict(da.LAUNCH))
     heads_major = [t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (kc, vc)]
     for layout, (k_cache, v_cache) in (("token_major", (kc, vc)), ("head_major", heads_major)):
         configs = ((64, 4, 3), (64, 2, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3))
@@ -135,11 +134,10 @@ def attention(dev):
             configs += ((64, 4, 4), (64, 4, 5), (64, 2, 4), (64, 8, 4), (32, 4, 4), (32, 4, 6),
                         (32, 2, 6), (16, 4, 8), (128, 4, 3))
         for block_n, warps, stages in configs:
-            da.BLOCK_N, da.LAUNCH = block_n, dict(num_warps=warps, num_stages=stages)
-
-            def run():
+            # the launch settings as the engine passes them (RolloutKernelSettings.decode_*)
+            def run(launch=dict(block_n=block_n, num_warps=warps, num_stages=stages)):
                 return da.decode_attention_rope(q, k_new, v_new, cos, sin, k_cache, v_cache,
-                                                slots, by_slot)
+                                                slots, by_slot, **launch)
             try:
                 err = (run().float() - ref.float()).abs().max().item()
                 ms = triton.testing.do_bench_cudagraph(run, rep=50)
@@ -149,7 +147,6 @@ def attention(dev):
                 continue
             rows.append(dict(layout=layout, ms=ms, gbps=kv_bytes / ms / 1e6, err=err,
                              block_n=block_n, warps=warps, stages=stages))
-    da.BLOCK_N, da.LAUNCH = base
     emit(probe="attention_layout", rows=sorted(rows, key=lambda row: row["ms"]))
 
 

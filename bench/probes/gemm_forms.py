@@ -68,15 +68,15 @@ def sampler(dev, bench):
     from hybridengine.kernels import sampler as fs
     logits = torch.randn(256, VOCAB, device=dev, dtype=torch.bfloat16) * 3
     u = torch.rand(256, device=dev)
-    base = (fs.CHUNK_BLOCKS, dict(fs.CHUNK_LAUNCH))
     for temp in (1.0, 0.7):
         t = torch.tensor([temp], device=dev)
         ref = fs.sample_temperature(logits, t, u, scaled=temp != 1.0)[0]
         rows = []
         for chunk in (8, 16, 32, 64):
             for warps in (2, 4, 8, 16):
-                fs.CHUNK_BLOCKS, fs.CHUNK_LAUNCH = chunk, dict(num_warps=warps)
-                fn = lambda: fs.sample_temperature(logits, t, u, scaled=temp != 1.0)  # noqa: E731
+                # as the engine passes RolloutKernelSettings.sampler_chunk_*
+                fn = lambda: fs.sample_temperature(logits, t, u, scaled=temp != 1.0,  # noqa: E731
+                                                   chunk_blocks=chunk, chunk_warps=warps)
                 try:
                     same = torch.equal(fn()[0], ref)
                     rows.append(dict(chunk=chunk, warps=warps, us=1e3 * bench(fn), same=same))
@@ -84,7 +84,6 @@ def sampler(dev, bench):
                     rows.append(dict(chunk=chunk, warps=warps, error=repr(e)[:80]))
         emit(probe="sampler", temperature=temp,
              rows=sorted(rows, key=lambda r: r.get("us", 1e9)))
-    fs.CHUNK_BLOCKS, fs.CHUNK_LAUNCH = base
 
 
 def main():

@@ -12,7 +12,11 @@ slot's position and counts that token from registers while it reads the cached p
 H200 it replaced a RoPE and a cache-write kernel per layer: 1.5 + 1.4 µs, bench/RESULTS.md).
 On Hopper and later it is launched with programmatic dependent launch: its programs start
 while the qkv projection drains, read the slots and positions, ask L2 for the first tiles
-of their cached K/V, and wait on the device for the projection's output (PDL below).
+of their cached K/V, and wait on the device for the projection's output (_split_kernel).
+
+The tile and launch settings (keys per tile, warps, stages, PDL, L2 prefetch) are arguments of
+the launchers, with the defaults of kernels.settings.RolloutKernelSettings (where they are
+documented and measured): the rollout passes its engine's settings.
 
 Why a kernel of our own: on an H200 at batch 256 and ~640 cached tokens (Qwen2.5-0.5B shape,
 h_q 14, h_kv 2, d 64), flash-attention's varlen kernel spent ~49 µs per layer per decode step,
@@ -35,25 +39,18 @@ import os
 
 import torch
 
+from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS as _DEFAULT
+
 try:
     import triton
     import triton.language as tl
 except ImportError:          # CPU machines without triton: the SDPA / flash backends remain
     triton = None
 
-BLOCK_N = 64                 # keys per tile
-# Measured on an H200 (bench/RESULTS.md, 2026-11-30 sessions 4 and 5; bench/probes/): at batch
-# 256, 640 cached tokens, h_kv 2, d 64, the fused form with one split, 4 warps and 3 stages took
-# 25.0 µs per layer (CUDA graph), 2 warps 25.7 µs, 2 splits ≥ 29 µs; reading two K/V heads side
-# by side per program (256 contiguous bytes per token instead of 128) 25.4 µs.
-LAUNCH = dict(num_warps=4, num_stages=3)
+# Not taken (H200, bench/RESULTS.md 2026-11-30 sessions 4 and 5, with the default launch
+# settings): one program reading two K/V heads side by side (256 contiguous bytes per token
+# instead of 128) took 25.4 against 25.0 µs per layer.
 MIN_GROUP_ROWS = 16          # tl.dot needs at least 16 rows: the G query heads are padded
-# programmatic dependent launch of the fused form (Hopper+; see _split_kernel); a module switch
-# for benchmarks
-PDL = True
-# cached keys per program (K and V each; a power of two) asked into L2 before the PDL wait;
-# 0: none
-PREFETCH_KEYS = 128
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -196,12 +193,13 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def split_len(rows: int, kv_heads: int, max_len: int, num_sms: int) -> int:
+def split_len(rows: int, kv_heads: int, max_len: int, num_sms: int,
+              block_n: int = _DEFAULT.decode_block_n) -> int:
     """Keys per split: enough splits that rows·kv_heads·splits fills ~2 programs per SM, never
-    under one tile. A function of static shapes only (CUDA graphs)."""
+    under one tile of block_n keys. A function of static shapes only (CUDA graphs)."""
     want = max(1, math.ceil(2 * num_sms / max(1, rows * kv_heads)))
-    splits = min(want, math.ceil(max_len / BLOCK_N))
-    return math.ceil(math.ceil(max_len / splits) / BLOCK_N) * BLOCK_N
+    splits = min(want, math.ceil(max_len / block_n))
+    return math.ceil(math.ceil(max_len / splits) / block_n) * block_n
 
 
 def stride_or_zero(t: torch.Tensor, dim: int) -> int:
@@ -234,12 +232,15 @@ def _new_token_args(new, B: int, hkv: int, d: int) -> tuple[tuple, tuple]:
     return (k_new, v_new, cos, sin), strides
 
 
-def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
+def _launch(q, k_cache, v_cache, slots, lens, new=None, *, block_n: int, num_warps: int,
+            num_stages: int, pdl: bool = False,
+            prefetch_keys: int = _DEFAULT.decode_prefetch_keys) -> torch.Tensor:
     """The split kernel (+ merge) over the cache; new = (k_new, v_new, cos, sin) fuses RoPE,
     the cache write and the new token (see decode_attention_rope). Inputs of any strides are
     taken (those of size-1 dimensions ignored); q and the new tensors are copied only if
     strided along d. Every choice here reads shapes and strides, never device data: nothing
-    synchronises, and the same launch is captured in a CUDA graph."""
+    synchronises, and the same launch is captured in a CUDA graph. block_n, num_warps,
+    num_stages, pdl, prefetch_keys: kernels.settings.RolloutKernelSettings's decode_* and pdl."""
     B, hq, d = q.shape
     hkv, max_len = k_cache.shape[2], k_cache.shape[1]
     if not supports(hq, hkv, d):
@@ -256,8 +257,8 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
     q = _unit_last(q)             # rows and heads may be strided (q a view of the fused qkv)
     # the fused form on Hopper+, whose slot positions are the runner's state from earlier
     # steps; not in the interpreter, nor for the plain form, whose lengths come from the step
-    pdl = PDL and fused and pdl_supported(q.device)
-    length = split_len(B, hkv, max_len, _num_sms(q.device))
+    pdl = pdl and fused and pdl_supported(q.device)
+    length = split_len(B, hkv, max_len, _num_sms(q.device), block_n)
     splits = math.ceil(max_len / length)
     result = torch.empty(B, hq, d, dtype=q.dtype, device=q.device)
     # one split (a large batch fills the GPU alone): the output is final, no merge
@@ -273,11 +274,11 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
         1.0 / math.sqrt(d), max_len, stride_or_zero(q, 0), stride_or_zero(q, 1),
         *cache_strides, *new_strides,
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_N=BLOCK_N, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=fused,
+        BLOCK_N=block_n, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=fused,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        PREFETCH_KEYS=PREFETCH_KEYS,
-        **LAUNCH, **({"launch_pdl": True} if pdl else {}))
+        PREFETCH_KEYS=prefetch_keys, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}))
     if splits > 1:
         _merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
                                  SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=d)
@@ -285,17 +286,21 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None) -> torch.Tensor:
 
 
 # Custom ops: torch.compile (the rollout's compiled decode step) treats each as one opaque
-# node instead of tracing into the launcher.
+# node instead of tracing into the launcher (the settings enter it as constants).
 @torch.library.custom_op("hybridengine::triton_decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+                     slots: torch.Tensor, seqlens: torch.Tensor,
+                     block_n: int = _DEFAULT.decode_block_n,
+                     num_warps: int = _DEFAULT.decode_num_warps,
+                     num_stages: int = _DEFAULT.decode_num_stages) -> torch.Tensor:
     """Attention of q [B, h_q, d] over the first seqlens[b] >= 1 (int32) cached tokens of
     slots[b] (the caller has written this step's K/V); see the module doc."""
-    return _launch(q, k_cache, v_cache, slots, seqlens)
+    return _launch(q, k_cache, v_cache, slots, seqlens, block_n=block_n, num_warps=num_warps,
+                   num_stages=num_stages)
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, slots, seqlens):
+def _(q, *args, **kwargs):
     return q.new_empty(q.shape)
 
 
@@ -304,17 +309,25 @@ def _(q, k_cache, v_cache, slots, seqlens):
 def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slots: torch.Tensor,
-                          slot_positions: torch.Tensor) -> torch.Tensor:
+                          slot_positions: torch.Tensor,
+                          block_n: int = _DEFAULT.decode_block_n,
+                          num_warps: int = _DEFAULT.decode_num_warps,
+                          num_stages: int = _DEFAULT.decode_num_stages,
+                          pdl: bool = _DEFAULT.pdl,
+                          prefetch_keys: int = _DEFAULT.decode_prefetch_keys) -> torch.Tensor:
     """One decode step's attention from the unrotated q [B, h_q, d], k_new / v_new [B, h_kv, d]
     (views of the fused qkv projection; any strides, each tensor its own) and the fp32 RoPE
     tables cos, signed sin [B, d]: q and k_new rotated, k_new / v_new written to the cache of
     slots[b] at position p = slot_positions[slots[b]] (clamped to max_model_len - 1), and
     attention over that slot's first min(p + 1, max_model_len) tokens, in one launch. The
     state tensors are read as they are: under torch.compile an input computed in the graph
-    would be copied for every call."""
-    return _launch(q, k_cache, v_cache, slots, slot_positions, (k_new, v_new, cos, sin))
+    would be copied for every call. pdl: programmatic dependent launch where the device has it
+    (Hopper+), with prefetch_keys cached keys asked into L2 before the wait."""
+    return _launch(q, k_cache, v_cache, slots, slot_positions, (k_new, v_new, cos, sin),
+                   block_n=block_n, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+                   prefetch_keys=prefetch_keys)
 
 
 @decode_attention_rope.register_fake
-def _(q, k_new, v_new, cos, sin, k_cache, v_cache, slots, slot_positions):
+def _(q, *args, **kwargs):
     return q.new_empty(q.shape)

@@ -10,7 +10,7 @@ log softmax(z) (temperature 1) and sampled_logprobs log softmax(z/T) at the toke
 Why: at batch 256 and vocabulary 151936 the torch sampler makes ~6 passes over [B, V] fp32
 (a cast, softmax, block sums, the chosen block's gather) and was ~0.37 ms of a 2.5 ms decode
 step on an H200 (bench/RESULTS.md, 2026-11-30 session 4). Here pass 1 reads the logits once in
-their own dtype, in chunks of CHUNK_BLOCKS blocks per program: the chunk's maximum, its sum of
+their own dtype, in chunks of chunk_blocks blocks per program: the chunk's maximum, its sum of
 exp(z - max) and its block sums of exp((z - max)/T); pass 2 (one program per row) rescales
 those to the row's maximum, finds the block by a cumulative sum over block sums, re-reads that
 one block and finds the token. Block sums are computed per chunk and rescaled, not from the
@@ -26,6 +26,7 @@ import torch
 
 # available: the same condition as the decode kernel's
 from hybridengine.kernels.decode_attention import available, stride_or_zero  # noqa: F401
+from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS as _DEFAULT
 
 try:
     import triton
@@ -34,10 +35,8 @@ except ImportError:
     triton = None
 
 CDF_BLOCK = 128              # tokens per block of the inverse-CDF search (rollout.sampling too)
-CHUNK_BLOCKS = 16            # blocks per pass-1 program (2048 tokens)
-# 2 warps per pass-1 program: 30.8 against 33.7 µs with 4 for both passes at 256 × 151936 bf16
-# logits on an H200 (bench/probes/gemm_forms.py, bench/RESULTS.md 2026-11-30 session 7)
-CHUNK_LAUNCH = dict(num_warps=2)
+# blocks and warps per pass-1 program: arguments of sample_temperature, with the defaults (and
+# measurements) of kernels.settings.RolloutKernelSettings.sampler_chunk_*
 
 
 if triton is not None:
@@ -106,16 +105,18 @@ if triton is not None:
 
 
 def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-                       scaled: bool = True):
+                       scaled: bool = True, chunk_blocks: int = _DEFAULT.sampler_chunk_blocks,
+                       chunk_warps: int = _DEFAULT.sampler_chunk_warps):
     """logits [B, V] (any float dtype, unit stride along V), temperature [1] (a device tensor:
     graph-safe), u [B] fp32 uniforms in (0, 1). scaled=False promises temperature == 1 (the
-    sampled log-probs are then the log-probs). Returns (tokens [B] int64, logprobs [B] fp32,
-    sampled_logprobs [B] fp32); static shapes, no host synchronisation."""
+    sampled log-probs are then the log-probs). chunk_blocks (a power of two) and chunk_warps:
+    the first pass's blocks and warps per program. Returns (tokens [B] int64, logprobs [B]
+    fp32, sampled_logprobs [B] fp32); static shapes, no host synchronisation."""
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     nb = triton.cdiv(V, CDF_BLOCK)
-    nc = triton.cdiv(nb, CHUNK_BLOCKS)
+    nc = triton.cdiv(nb, chunk_blocks)
     dev = logits.device
     stride_b = stride_or_zero(logits, 0)       # a lone row: its stride is arbitrary
     chunk_max = torch.empty(B, nc, dtype=torch.float32, device=dev)
@@ -126,9 +127,9 @@ def sample_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch
     sampled = torch.empty_like(logp)
     _chunk_kernel[(B, nc)](logits, stride_b, V, temperature, chunk_max, chunk_sum,
                            block_sum, nb, nc, SCALED=scaled, BLOCK=CDF_BLOCK,
-                           CHUNK_BLOCKS=CHUNK_BLOCKS, **CHUNK_LAUNCH)
+                           CHUNK_BLOCKS=chunk_blocks, num_warps=chunk_warps)
     _pick_kernel[(B,)](logits, stride_b, V, temperature, chunk_max, chunk_sum,
                        block_sum, u.float(), tok, logp, sampled, nb, nc, SCALED=scaled,
-                       BLOCK=CDF_BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS,
+                       BLOCK=CDF_BLOCK, CHUNK_BLOCKS=chunk_blocks,
                        NB_P2=triton.next_power_of_2(nb), NC_P2=triton.next_power_of_2(nc))
     return tok, logp, sampled

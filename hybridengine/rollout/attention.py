@@ -28,6 +28,8 @@ row's cached prefix, by one of four backends:
 `auto` (on CUDA in fp16/bf16) takes the first of AUTO_ORDER that runs and agrees with SDPA on
 the device (checked once; a mismatch or an error tries the next, with a warning), else sdpa.
 Shapes are static given (rows, max_k), so a decode step can be captured in a CUDA graph.
+Both contexts take the engine's kernel settings (kernels.settings.RolloutKernelSettings) and
+pass them to the Triton launchers.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from hybridengine.kernels import decode_attention as triton_decode
 from hybridengine.kernels import kv_write
+from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernelSettings
 from hybridengine.models.attention import PackedCausalAttention, PackedInput
 from hybridengine.rollout.kv_cache import KVCache, write_rows
 
@@ -122,8 +125,10 @@ def _dense_prefill_agrees(device, dtype, heads) -> bool:
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
-                    heads: tuple[int, int, int] = (8, 2, 64)) -> str:
-    """The decode backend for a model whose rank holds heads = (q heads, K/V heads, head_dim)."""
+                    heads: tuple[int, int, int] = (8, 2, 64),
+                    settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS) -> str:
+    """The decode backend for a model whose rank holds heads = (q heads, K/V heads, head_dim);
+    `auto` checks the triton kernels with the engine's kernel settings."""
     if requested not in BACKENDS:
         raise ValueError(f"attn_backend={requested!r} is not one of {', '.join(BACKENDS)}")
     if requested == "triton":
@@ -145,7 +150,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
     for backend in AUTO_ORDER:
         runs = (half and triton_decode.available(device) and triton_decode.supports(*heads)
                 if backend == "triton" else usable)
-        if runs and _decode_agrees(device, dtype, backend, heads):
+        if runs and _decode_agrees(device, dtype, backend, heads, settings):
             return backend
     return "sdpa"
 
@@ -154,14 +159,20 @@ class DecodeContext:
     """One query token per row. slots [B] int64 sorted (padding rows: the scratch slot last),
     positions [B] int64 = where this step's token goes; max_k: keys the sdpa backend reads
     (max_model_len under a CUDA graph); slot_positions [num_slots + 1]: the position state
-    by slot (positions = slot_positions[slots]), for the fused triton form."""
+    by slot (positions = slot_positions[slots]), for the fused triton form; settings: the
+    triton kernels' tile and launch."""
 
     def __init__(self, cache: KVCache, layer_start: int, slots: torch.Tensor,
                  positions: torch.Tensor, backend: str, max_k: int,
                  cu_q: torch.Tensor | None = None, cu_k_tail: torch.Tensor | None = None,
-                 slot_positions: torch.Tensor | None = None):
+                 slot_positions: torch.Tensor | None = None,
+                 settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS):
         self.cache, self.layer_start, self.backend = cache, layer_start, backend
         self.slots, self.max_k = slots, max_k
+        s = settings            # the triton kernels' arguments (constants under torch.compile)
+        self.launch = dict(block_n=s.decode_block_n, num_warps=s.decode_num_warps,
+                           num_stages=s.decode_num_stages)
+        self.rope_launch = dict(self.launch, pdl=s.pdl, prefetch_keys=s.decode_prefetch_keys)
         # the fused triton form reads the runner's per-slot position state itself and derives
         # the write position and length in the kernel: nothing below is needed for it
         self.slot_positions = slot_positions
@@ -188,7 +199,7 @@ class DecodeContext:
         self.cache.write(layer, self.slots, self.write_pos, k, v)
         if self.backend == "triton":
             return triton_decode.decode_attention(q, self.cache.k[layer], self.cache.v[layer],
-                                                  self.slots, self.seqused)
+                                                  self.slots, self.seqused, **self.launch)
         if self.backend in _FLASH:
             kf, vf = self.cache.flat(layer)
             L = self.cache.max_model_len
@@ -205,7 +216,7 @@ class DecodeContext:
         layer = layer_idx - self.layer_start
         return triton_decode.decode_attention_rope(q, k, v, cos, sin, self.cache.k[layer],
                                                    self.cache.v[layer], self.slots,
-                                                   self.slot_positions)
+                                                   self.slot_positions, **self.rope_launch)
 
 
 def grouped_flash_decode(q, kf, vf, cu_q, cu_k, seqused, max_k) -> torch.Tensor:
@@ -234,21 +245,24 @@ class PrefillContext:
     """Packed prompts: write K/V of packed token src[i] to cache (dst_slot[i], dst_pos[i])
     (every row of every sample of the prompt), attend causally within each prompt: through the
     varlen kernel, or with dense = (prompts, max_len, pad_index) through a dense kernel over
-    the right-padded prompts (padded_causal_attention)."""
+    the right-padded prompts (padded_causal_attention); settings.triton_kv_write: the dense
+    form's cache write in Triton where it runs."""
 
     def __init__(self, cache: KVCache | None, layer_start: int, packed: PackedInput,
-                 src=None, dst_slot=None, dst_pos=None, dense: tuple | None = None):
+                 src=None, dst_slot=None, dst_pos=None, dense: tuple | None = None,
+                 settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS):
         self.cache, self.layer_start = cache, layer_start
         self.src, self.dst_slot, self.dst_pos = src, dst_slot, dst_pos
         self.inner = PackedCausalAttention(packed)
         self.dense = dense
+        self.triton_kv_write = settings.triton_kv_write
 
     def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
         if self.cache is not None:          # None: a memory-profiling run
             layer = layer_idx - self.layer_start
             if self.dense is not None:
                 write_prefill_kv(self.cache.k[layer], self.cache.v[layer], self.dst_slot,
-                                 self.dst_pos, k, v, self.src)
+                                 self.dst_pos, k, v, self.src, self.triton_kv_write)
             else:
                 self.cache.write(layer, self.dst_slot, self.dst_pos,
                                  k.index_select(0, self.src), v.index_select(0, self.src))
@@ -262,16 +276,16 @@ class PrefillContext:
 # varlen prefill (16 against 1.9 ms per generate on an H200, bench/RESULTS.md 2026-11-30
 # session 6): as an opaque op of its own, the write runs where the layer computes it. Through
 # torch's indexing it took 10 ms per generate there; kernels.kv_write does it in one Triton
-# launch per layer where it runs (TRITON_KV_WRITE; benchmarks turn it off to compare).
-TRITON_KV_WRITE = True
-
-
+# launch per layer where it runs (RolloutKernelSettings.triton_kv_write; benchmarks turn it
+# off to compare).
 @torch.library.custom_op("hybridengine::write_prefill_kv", mutates_args=("k_cache", "v_cache"))
 def write_prefill_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: torch.Tensor,
                      dst_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     src: torch.Tensor) -> None:
-    """k_cache/v_cache[dst_slot[i], dst_pos[i]] = k/v[src[i]] (KVCache.write of packed rows)."""
-    if TRITON_KV_WRITE and kv_write.available(k.device) and \
+                     src: torch.Tensor,
+                     triton: bool = DEFAULT_KERNEL_SETTINGS.triton_kv_write) -> None:
+    """k_cache/v_cache[dst_slot[i], dst_pos[i]] = k/v[src[i]] (KVCache.write of packed rows):
+    with triton, through kernels.kv_write where it runs, else torch's indexing."""
+    if triton and kv_write.available(k.device) and \
             kv_write.supports(k_cache, v_cache, k, v):
         kv_write.write_kv_rows(k_cache, v_cache, dst_slot, dst_pos, k, v, src)
         return
@@ -280,7 +294,7 @@ def write_prefill_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: tor
 
 
 @write_prefill_kv.register_fake
-def _(k_cache, v_cache, dst_slot, dst_pos, k, v, src):
+def _(*args, **kwargs):
     return None
 
 
@@ -336,7 +350,8 @@ def decoder_qkv(qkv: torch.Tensor, hq: int, hkv: int, d: int):
 
 
 def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str,
-                   heads: tuple[int, int, int] = (8, 2, 64)) -> bool:
+                   heads: tuple[int, int, int] = (8, 2, 64),
+                   settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS) -> bool:
     """Run a decode backend once on a small cache of the model's head shape, at batch 3 (one
     padding row) and batch 1, on q/k/v laid out as the decoder hands them over, and compare
     with grouped SDPA: a torch or triton that rejects the argument pattern (or computes it
@@ -359,13 +374,15 @@ def _decode_agrees(device: torch.device, dtype: torch.dtype, backend: str,
             cu_q = torch.arange(B + 1, dtype=torch.int32, device=device)
             outs = {}
             for name in (backend, "sdpa"):
-                ctx = DecodeContext(cache, 0, slots, pos, name, 64, cu_q, tail)
+                ctx = DecodeContext(cache, 0, slots, pos, name, 64, cu_q, tail,
+                                    settings=settings)
                 outs[name] = ctx.attend(0, q, k_new, v_new).float()
             if backend == "triton":     # the fused form too, with an identity rotation
                 cos = torch.ones(B, d, device=device)
                 by_slot = torch.zeros(cache.num_slots + 1, dtype=torch.long, device=device)
                 by_slot[slots] = pos
-                ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail, by_slot)
+                ctx = DecodeContext(cache, 0, slots, pos, backend, 64, cu_q, tail, by_slot,
+                                    settings)
                 outs["rope"] = ctx.attend_rope(0, q, k_new, v_new, cos, 0 * cos).float()
             err = max(err, max((outs[b] - outs["sdpa"]).abs().max().item() for b in outs))
         if err < 2e-2:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernelSettings
 from hybridengine.parallel.tensor import all_reduce
 from hybridengine.rollout.kv_cache import SlotAllocator
 from hybridengine.rollout.model_runner import ModelRunner, Pending
@@ -93,6 +94,9 @@ class Engine:
     compile_prefill=True the prefill forward too (dynamic shapes; eager again if it fails).
     prefill_attention: auto | varlen | dense (rollout.attention.resolve_prefill_attention); with
     dense, prompts enter longest first, so that each prefill pads little.
+    kernel_settings: the Triton kernels' tiles and launches, PDL, and the fused forms
+    (kernels.settings.RolloutKernelSettings; the defaults are the measured fastest, and a
+    benchmark passes dataclasses.replace(RolloutKernelSettings(), ...) to compare).
     """
 
     def __init__(self, model, max_num_seqs: int = 256, max_model_len: int | None = None,
@@ -100,8 +104,8 @@ class Engine:
                  max_prefill_tokens: int = 16384, enforce_eager: bool = False,
                  attn_backend: str = "auto", compile: bool | str = False,
                  compile_prefill: bool | str = False, prefill_attention: str = "auto",
-                 device=None,
-                 dtype: torch.dtype | None = None):
+                 device=None, dtype: torch.dtype | None = None, *,
+                 kernel_settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS):
         max_model_len = max_model_len or model.cfg.max_position_embeddings
         _check_model(model, device, dtype)
         if max_num_seqs < 1:
@@ -116,7 +120,8 @@ class Engine:
         self.model, self.max_model_len = model, max_model_len
         self.runner = ModelRunner(model, max_num_seqs, max_model_len, max_prefill_tokens,
                                   kv_cache_tokens, gpu_memory_utilization, enforce_eager,
-                                  attn_backend, compile, compile_prefill, prefill_attention)
+                                  attn_backend, compile, compile_prefill, prefill_attention,
+                                  kernel_settings)
         self.max_prefill_tokens = max_prefill_tokens
         # Steps whose finished flags are read only after the next step is queued: 1 on CUDA
         # (the host never waits for the step it just launched); tests set 1 on CPU too.

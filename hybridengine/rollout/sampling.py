@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from hybridengine.kernels import sampler as fused_sampler
+from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernelSettings
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B     # < 2^27: (x < 2^32) * _MUL stays below 2^63, so int64 never overflows
@@ -155,17 +156,20 @@ def _filter(z: torch.Tensor, mode: SamplerMode, top_p: torch.Tensor) -> torch.Te
 
 
 def sample(logits: torch.Tensor, mode: SamplerMode, temperature: torch.Tensor,
-           top_p: torch.Tensor, u: torch.Tensor, fused: bool = True):
+           top_p: torch.Tensor, u: torch.Tensor,
+           settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS):
     """logits [B, V] (any float dtype); temperature, top_p [1] device tensors (graph-safe);
     u [B] uniforms. Returns (tokens [B] int64, logprobs [B] fp32, sampled_logprobs [B] fp32).
     Static shapes and no host synchronisation.
 
     Temperature sampling without top-k / top-p (RL's usual setting) takes the fused Triton
-    kernels where they run (kernels/sampler.py: two passes, the same draw) unless fused=False;
-    everything else sample_torch."""
-    if fused and not (mode.greedy or mode.top_k or mode.top_p) and \
+    kernels where they run (kernels/sampler.py: two passes, the same draw) unless
+    settings.fused_sampler is off; everything else sample_torch."""
+    if settings.fused_sampler and not (mode.greedy or mode.top_k or mode.top_p) and \
             fused_sampler.available(logits.device):
-        return fused_sampler.sample_temperature(logits, temperature, u, scaled=mode.scaled)
+        return fused_sampler.sample_temperature(logits, temperature, u, scaled=mode.scaled,
+                                                chunk_blocks=settings.sampler_chunk_blocks,
+                                                chunk_warps=settings.sampler_chunk_warps)
     return sample_torch(logits, mode, temperature, top_p, u)
 
 
