@@ -1,11 +1,10 @@
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# hybridengine is imported as installed (pip install -e .). tests/ itself is on sys.path through
+# pytest's default "prepend" import mode (tests/ has no __init__.py), so the tests import its
+# helpers by name: dist_utils, model_utils, tool_utils (which loads the scripts of tools/).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")

@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from tool_utils import load_tool
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-from profiling import category, kernel_table, owner_at, timeline  # noqa: E402
+_tool = load_tool("profiling")  # tools/profiling.py
+category, kernel_table, owner_at, timeline = _tool.category, _tool.kernel_table, _tool.owner_at, _tool.timeline
 
 
 def test_work_goes_to_the_innermost_named_range(one_thread):

@@ -9,7 +9,6 @@ a contiguous block of T/tp tokens.
     reduce_from_tp       fwd all-reduce          bwd identity          (leave a TP region)
     gather_from_sp       fwd all-gather dim 0    bwd reduce-scatter    (before a column layer)
     reduce_scatter_to_sp fwd reduce-scatter dim0 bwd all-gather        (after a row layer)
-    scatter_to_sp        fwd split dim 0         bwd all-gather        (enter SP, replicated input)
     gather_from_sp_copy  fwd all-gather dim 0    bwd split             (leave SP, replicated output)
 
 Layers (weights are this rank's shard; biases follow their output dimension):
@@ -152,17 +151,6 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return all_gather_dim0(g, ctx.group), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_dim0(g, ctx.group), None
-
-
 class _GatherFromSPCopy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -185,7 +173,6 @@ copy_to_tp = _wrap(_CopyToTP)
 reduce_from_tp = _wrap(_ReduceFromTP)
 gather_from_sp = _wrap(_GatherFromSP)
 reduce_scatter_to_sp = _wrap(_ReduceScatterToSP)
-scatter_to_sp = _wrap(_ScatterToSP)
 gather_from_sp_copy = _wrap(_GatherFromSPCopy)
 
 

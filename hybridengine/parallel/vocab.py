@@ -107,7 +107,3 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, 
     if vocab_size is None:
         vocab_size = logits.shape[-1] * group_size(group)
     return _VocabParallelLogprobEntropy.apply(logits, targets, group, vocab_size, temperature)
-
-
-def vocab_parallel_logprob(logits, targets, group=None, vocab_size=None, temperature=1.0):
-    return vocab_parallel_logprob_entropy(logits, targets, group, vocab_size, temperature)[0]

@@ -1,4 +1,5 @@
-"""Advantage estimators, KL estimators and KL controllers on padded response tensors.
+"""Advantage estimators on padded response tensors: the estimators, their registry and the DAPO
+helpers (overlong penalty, dynamic-sampling filter).
 
 Contract: every tensor is ``[B, R]`` (B sequences, R = max response length) with a
 ``response_mask`` ``[B, R]`` that is 1 on real response tokens and 0 elsewhere (padding after
@@ -12,58 +13,23 @@ difference: verl leaves arbitrary values at masked positions; we zero them.
 Estimators run on the whole batch, identically on every rank: group statistics (GRPO, RLOO) and
 whitening (GAE, REINFORCE++) are batch-global, so computing them on a DP shard would change them.
 ReMax, OPO, GRPO pass@k and GPG live in ``advantages_more`` (a leaf module; registered below).
+The masked statistics live in ``masked_stats`` and the KL estimators / controllers / reward
+penalty in ``kl``; both are re-exported here, where callers and tests import them from.
 """
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from hybridengine.rl.advantages_more import (compute_gpg_outcome_advantage, compute_grpo_passk_outcome_advantage,
                                              compute_opo_outcome_advantage, compute_remax_outcome_advantage)
+from hybridengine.rl.kl import (KL_KINDS, AdaptiveKLController, FixedKLController,  # noqa: F401 (re-exported)
+                                apply_kl_penalty, kl_penalty, make_kl_controller)
+from hybridengine.rl.masked_stats import (check_shapes, masked_mean, masked_sum,  # noqa: F401 (re-exported)
+                                          masked_var, masked_whiten)
 
 Tensor = torch.Tensor
-
-
-# ----------------------------------------------------------------------------- masked statistics
-
-
-def masked_sum(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
-    """Sum of ``values`` where ``mask`` is set; NaN/inf at masked-out positions are ignored."""
-    kept = torch.where(mask.bool(), values, torch.zeros_like(values))
-    return kept.sum() if axis is None else kept.sum(dim=axis)
-
-
-def masked_mean(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
-    """Mean over the masked elements; 0 where the mask is empty (verl returns 0 there too)."""
-    count = mask.to(values.dtype)
-    count = count.sum() if axis is None else count.sum(dim=axis)
-    return masked_sum(values, mask, axis) / count.clamp(min=1)
-
-
-def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance over all masked elements (Bessel-corrected by default, as verl)."""
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = int(mask.bool().sum())
-        if count < 2:
-            raise ValueError(f"masked_var: unbiased variance needs >= 2 masked elements, got {count}")
-        variance = variance * (count / (count - 1))
-    return variance
-
-
-def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """(values - mean) / sqrt(var + 1e-8) with mean/var over the masked elements."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
-
-
-def _check_shapes(**tensors: Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
-        raise ValueError(f"expected equal [B, R] shapes, got {shapes}")
 
 
 # ----------------------------------------------------------------------------- estimators
@@ -79,7 +45,7 @@ def compute_gae_advantage_return(
     GAE of the next *response* token, so observation tokens inside a multi-turn response neither
     end the episode nor contribute a reward or a value (verl's behaviour).
     """
-    _check_shapes(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    check_shapes(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
     valid = response_mask.bool()
     next_value = torch.zeros_like(values[:, 0])  # [B] value of the next response token
     last_gae = torch.zeros_like(values[:, 0])  # [B] GAE of the next response token
@@ -130,7 +96,7 @@ def compute_grpo_outcome_advantage(
     A group of one has mean 0 and std 1 (verl), so its advantage is its raw score.
     ``norm_adv_by_std_in_grpo=False`` drops the std division (Dr. GRPO). Returns (adv, adv).
     """
-    _check_shapes(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_shapes(token_level_rewards=token_level_rewards, response_mask=response_mask)
     scores = token_level_rewards.sum(dim=-1)  # [B]
     inverse, num_groups = _group_inverse(group_index, scores.shape[0])
     count, mean, std = _group_stats(scores, inverse, num_groups)
@@ -153,7 +119,7 @@ def compute_rloo_outcome_advantage(
 
     Equals (score - group mean) * n / (n - 1); a group of one keeps its raw score (verl).
     """
-    _check_shapes(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_shapes(token_level_rewards=token_level_rewards, response_mask=response_mask)
     scores = token_level_rewards.sum(dim=-1)  # [B]
     inverse, num_groups = _group_inverse(group_index, scores.shape[0])
     count, mean, _ = _group_stats(scores, inverse, num_groups)
@@ -173,7 +139,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     The running return restarts after every masked token (verl's "reset after EOS"), so a
     masked span splits the response into independently discounted segments.
     """
-    _check_shapes(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_shapes(token_level_rewards=token_level_rewards, response_mask=response_mask)
     valid = response_mask.bool()
     returns = torch.zeros_like(token_level_rewards)  # [B, R]
     running = torch.zeros_like(token_level_rewards[:, 0])  # [B]
@@ -307,109 +273,6 @@ def _grpo_passk(
 def _gpg(token_level_rewards, response_mask, *, group_index=None, **_):
     ids = _group_ids(group_index, "gpg", token_level_rewards.shape[0])
     return compute_gpg_outcome_advantage(token_level_rewards, response_mask, ids)
-
-
-# ----------------------------------------------------------------------------- KL
-
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-
-
-def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs, [B, R] -> [B, R].
-
-    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with log r = logprob - ref
-    (Schulman, "Approximating KL divergence"); k3 is clamped to [-10, 10] as in verl.
-    """
-    log_ratio = logprob - ref_logprob
-    if kind in ("kl", "k1"):
-        return log_ratio
-    if kind == "abs":
-        return log_ratio.abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * log_ratio.square()
-    if kind in ("low_var_kl", "k3"):
-        # the exp overflows for |log r| > ~88 in fp32; the clamp to 20 keeps k3 finite
-        neg_log_ratio = torch.clamp(-log_ratio, min=-20.0, max=20.0)
-        return torch.clamp(torch.exp(neg_log_ratio) - neg_log_ratio - 1, min=-10.0, max=10.0)
-    raise ValueError(f"KL penalty kind {kind!r} is unknown; choose from {KL_KINDS}")
-
-
-class FixedKLController:
-    """Constant KL coefficient ``value``."""
-
-    def __init__(self, kl_coef: float):
-        self.value = float(kl_coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """No-op: the coefficient is fixed."""
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: Mapping[str, float]) -> None:
-        self.value = float(state["value"])
-
-
-class AdaptiveKLController(FixedKLController):
-    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593).
-
-    value *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon.
-    """
-
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
-        if target_kl <= 0:
-            raise ValueError(f"kl_ctrl.target_kl must be > 0, got {target_kl}")
-        if horizon <= 0:
-            raise ValueError(f"kl_ctrl.horizon must be > 0, got {horizon}")
-        super().__init__(init_kl_coef)
-        self.target = float(target_kl)
-        self.horizon = int(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + proportional_error * n_steps / self.horizon
-
-
-def make_kl_controller(kl_ctrl: Any) -> FixedKLController:
-    """Build from verl's ``algorithm.kl_ctrl`` (a mapping or attribute object: type, kl_coef,
-    target_kl, horizon; verl's defaults fill missing fields)."""
-
-    def field(name: str, default: Any) -> Any:
-        if isinstance(kl_ctrl, Mapping):
-            return kl_ctrl.get(name, default)
-        return getattr(kl_ctrl, name, default)
-
-    kind, kl_coef = field("type", "fixed"), field("kl_coef", 0.001)
-    if kind == "fixed":
-        return FixedKLController(kl_coef)
-    if kind == "adaptive":
-        return AdaptiveKLController(kl_coef, field("target_kl", 0.1), field("horizon", 10000))
-    raise ValueError(f"algorithm.kl_ctrl.type={kind!r} is unknown; choose 'fixed' or 'adaptive'")
-
-
-@torch.no_grad()
-def apply_kl_penalty(
-    token_level_scores: Tensor,
-    old_log_prob: Tensor,
-    ref_log_prob: Tensor,
-    response_mask: Tensor,
-    kl_ctrl: FixedKLController,
-    kind: str = "kl",
-) -> tuple[Tensor, dict[str, float]]:
-    """KL in the reward: rewards = scores - beta * kl (kl zero off the mask); updates ``kl_ctrl``.
-
-    The controller sees current_kl = batch mean of each sequence's masked-mean KL, with
-    n_steps = B (verl). Call it once per step on the whole batch, identically on every rank.
-    """
-    _check_shapes(scores=token_level_scores, old=old_log_prob, ref=ref_log_prob, mask=response_mask)
-    kld = kl_penalty(old_log_prob, ref_log_prob, kind)  # [B, R]
-    kld = torch.where(response_mask.bool(), kld, torch.zeros_like(kld))
-    beta = kl_ctrl.value
-    token_level_rewards = token_level_scores - beta * kld
-    current_kl = masked_mean(kld, response_mask, axis=-1).mean().item()
-    kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
-    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
-    return token_level_rewards, metrics
 
 
 # ----------------------------------------------------------------------------- DAPO
