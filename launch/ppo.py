@@ -113,7 +113,7 @@ def _fail(error: BaseException, rank: int, cfg) -> None:
 def _interrupted(cfg) -> str:
     if cfg is None:
         return "interrupted"
-    from hybridengine.parallel import checkpoint as ckpt
+    from hybridengine.training import checkpoint as ckpt
     root = cfg.trainer.default_local_dir
     try:
         step = ckpt.find_latest(root)

@@ -11,7 +11,7 @@ import torch
 
 from hybridengine.config.schema import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
     MegatronSection, OptimSection, RefConfig
-from hybridengine.engine import OptimConfig, TrainEngine
+from hybridengine.training.engine import OptimConfig, TrainEngine
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
 from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_entropy_loss, \

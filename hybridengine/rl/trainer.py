@@ -19,8 +19,8 @@ from torch.profiler import record_function
 
 from hybridengine.config import uses_critic, uses_reference
 from hybridengine.config.schema import RunConfig
-from hybridengine.engine import TrainEngine
-from hybridengine.parallel import checkpoint as ckpt
+from hybridengine.training.engine import TrainEngine
+from hybridengine.training import checkpoint as ckpt
 from hybridengine.parallel.mesh import Meshes, build_meshes
 from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridengine.rl.batch import Batch
