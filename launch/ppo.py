@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
         from hybridengine.rl.preflight import checked_run_config
         from hybridengine.rl.trainer import Trainer
         # every config / data / model error at once, before a group is built or a file written
-        run = checked_run_config(cfg, env.world_size)       # typed: config.schema.RunConfig
+        run = checked_run_config(cfg, env.world_size)       # typed: config.run.RunConfig
         meshes = build_meshes(run.layout, run.trainer.collective_timeout_s)   # every group
         Trainer(run, meshes).fit()
     except BaseException as e:  # noqa: BLE001 - _fail words ours and exits; the rest re-raise
@@ -113,7 +113,7 @@ def _fail(error: BaseException, rank: int, cfg) -> None:
 def _interrupted(cfg) -> str:
     if cfg is None:
         return "interrupted"
-    from hybridengine.training import checkpoint as ckpt
+    from hybridengine.train import checkpoint as ckpt
     root = cfg.trainer.default_local_dir
     try:
         step = ckpt.find_latest(root)

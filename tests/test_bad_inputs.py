@@ -22,7 +22,7 @@ import torch
 
 from hybridengine.config import load_config, validate_config
 from hybridengine.models.hf import load_decoder, read_model_config
-from hybridengine.training import checkpoint as ckpt
+from hybridengine.train import checkpoint as ckpt
 from hybridengine.rl.data import PromptDataset, load_rows, load_tokenizer
 from hybridengine.rl.guards import NonFiniteUpdate, SaveError
 from hybridengine.rl.rewards import RewardError, load_custom_reward, score_batch

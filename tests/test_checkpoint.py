@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from dist_utils import run_dist
-from hybridengine.training.checkpoint import (LATEST, begin_checkpoint, checkpoint_dir,
+from hybridengine.train.checkpoint import (LATEST, begin_checkpoint, checkpoint_dir,
                                               find_latest, load_checkpoint, save_checkpoint,
                                               write_rank_state)
-from hybridengine.training.optimizer import DistributedOptimizer
+from hybridengine.train.optimizer import DistributedOptimizer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,7 +1,7 @@
 """Compilation stays bounded: the rollout's compiled steps (decode, its sampler bookkeeping,
 prefill) over a run-like sequence of generate calls, and the compiled training layers over
 packed micro-batches of varying length, compile the graphs documented in
-hybridengine/rollout/model_runner.py (and hybridengine/training/engine.py) at the first call and never
+hybridengine/rollout/model_runner.py (and hybridengine/train/engine.py) at the first call and never
 again. On the CPU with aot_eager (dynamo's graphs and guards, no inductor); the gpu variant runs
 inductor in CUDA graphs. Also: hybridengine.compiling.CompileWatch (timing_s/compile and the
 late-compilation warning)."""
@@ -119,7 +119,7 @@ def _training_graphs(model, device: str, compile_backend: str | None) -> int:
     training micro-batches of varying T (one sequence, two tokens, many sequences; with
     activation recomputation every other step). compile_backend: compile the layers as the
     engine does, with that backend (None: the engine's own setup, CUDA only)."""
-    from hybridengine.training.engine import MicroBatch, OptimConfig, TrainEngine, compile_decoder_layers
+    from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine, compile_decoder_layers
     from hybridengine.models.attention import PackedInput
     from hybridengine.parallel.layout import Layout
     from hybridengine.parallel.mesh import build_mesh

@@ -357,12 +357,12 @@ def test_attention_backend_choices_match_the_rollout_engine():
     assert CHOICES["actor_rollout_ref.rollout.prefill_attention"] == PREFILL_ATTENTION
 
 
-# --- the typed run config (config.schema) -------------------------------------------------------
+# --- the typed run config (config.run) -------------------------------------------------------
 
 @pytest.mark.parametrize("config_file", sorted(p.name for p in (Path(__file__).resolve().parent.parent
                                                                 / "configs").glob("*.yaml")))
 def test_typed_config_mirrors_every_shipped_config_key_for_key(config_file):
-    from hybridengine.config.schema import RunConfig
+    from hybridengine.config.run import RunConfig
     cfg = load_config(["--config", f"configs/{config_file}", "actor_rollout_ref.model.path=m"])
     meg = cfg.actor_rollout_ref.actor.megatron
     world = meg.tensor_model_parallel_size * meg.pipeline_model_parallel_size
@@ -386,7 +386,7 @@ def test_typed_config_mirrors_every_shipped_config_key_for_key(config_file):
 
 
 def test_typed_config_refuses_a_tree_the_schema_does_not_describe():
-    from hybridengine.config.schema import RunConfig
+    from hybridengine.config.run import RunConfig
     cfg = load_config(RECIPE)
     OmegaConf.set_struct(cfg, False)
     cfg.trainer.hybrid_engine.new_knob = 3

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_utils import run_dist
-from hybridengine.training.engine import MicroBatch, OptimConfig, TrainEngine
+from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.mesh import build_mesh

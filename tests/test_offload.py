@@ -9,10 +9,10 @@ import torch
 
 from dist_utils import run_dist
 from hybridengine.config import load_config
-from hybridengine.training.engine import TrainEngine
+from hybridengine.train.engine import TrainEngine
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.mesh import build_mesh, build_meshes
-from hybridengine.training.offload import HostParking
+from hybridengine.train.offload import HostParking
 from hybridengine.rl.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def test_parking_memory_torch_does_not_own_is_one_clear_error():
 
 
 def test_engine_refuses_to_run_on_parked_parts(one_thread):
-    from hybridengine.training.engine import OptimConfig
+    from hybridengine.train.engine import OptimConfig
     engine = TrainEngine(STORIES, build_mesh(Layout(1, 1, 1)), optim=OptimConfig(lr=1e-3))
     engine.park(["params"])
     with pytest.raises(RuntimeError, match="params of this engine are offloaded"):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dist_utils import run_dist
-from hybridengine.training.optimizer import DistributedOptimizer, LRSchedule
+from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from model_utils import rel_err, save_tiny
 
 NUM_SAMPLES, NUM_STEPS = 8, 3

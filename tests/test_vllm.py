@@ -137,7 +137,7 @@ def test_vllm_replicas_are_consecutive_ranks():
 
 def _generators(actor, gen_tp):
     from hybridengine.config import derive_layout, load_config
-    from hybridengine.config.schema import RunConfig
+    from hybridengine.config.run import RunConfig
     from hybridengine.parallel.layout import GenLayout
     from hybridengine.parallel.mesh import build_gen_mesh
     from hybridengine.rl.generation import Generator
@@ -156,7 +156,7 @@ def _generators(actor, gen_tp):
 def _train_step(actor, prompts) -> None:
     """One Adam step raising the likelihood of fixed random continuations: changes every weight
     enough to change greedy outputs."""
-    from hybridengine.training.engine import MicroBatch
+    from hybridengine.train.engine import MicroBatch
     from hybridengine.models.attention import PackedInput
     g = torch.Generator().manual_seed(7)
     seqs = [p + torch.randint(3, actor.cfg.vocab_size, (8,), generator=g).tolist()
@@ -169,7 +169,7 @@ def _train_step(actor, prompts) -> None:
 
 def _recomputed_logprobs(actor, prompts, responses) -> list[torch.Tensor]:
     """The training engine's log-probs of each response token (temperature 1)."""
-    from hybridengine.training.engine import MicroBatch
+    from hybridengine.train.engine import MicroBatch
     from hybridengine.models.attention import PackedInput
     seqs = [p + r for p, r in zip(prompts, responses)]
     ids = torch.tensor(sum(seqs, []))
@@ -192,7 +192,7 @@ def _hf_greedy(model_dir, prompts) -> list[list[int]]:
 
 
 def _parity_rank(rank, world, model_dir, out_dir):
-    from hybridengine.training.engine import OptimConfig, TrainEngine
+    from hybridengine.train.engine import OptimConfig, TrainEngine
     from hybridengine.parallel.layout import Layout
     from hybridengine.parallel.mesh import build_mesh
     from hybridengine.rollout.sampling import SamplingParams

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hybridengine.training.engine import MicroBatch, OptimConfig, TrainEngine  # noqa: E402
+from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine  # noqa: E402
 from hybridengine.models.attention import PackedInput  # noqa: E402
 from hybridengine.parallel.layout import Layout  # noqa: E402
 from hybridengine.parallel.mesh import build_mesh, init_distributed  # noqa: E402

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridengine.training.engine import MicroBatch
+from hybridengine.train.engine import MicroBatch
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0
 from hybridengine.rl.packing import balanced_partitions, equal_count_microbatches, \

@@ -1,7 +1,7 @@
 """A run's checkpoints: what the trainer saves every trainer.save_freq steps and resumes from.
 
 global_step_N/ holds the actor's (and critic's) HF model directory, loadable by
-AutoModelForCausalLM.from_pretrained, and each rank's exact-resume state (training.checkpoint):
+AutoModelForCausalLM.from_pretrained, and each rank's exact-resume state (train.checkpoint):
 optimizer shards, the data sampler's position, the KL controller and the RNG streams. Saving is
 collective over the run's world group; a write error keeps the previous checkpoint the latest.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridengine.training import checkpoint as ckpt
+from hybridengine.train import checkpoint as ckpt
 from hybridengine.rl.guards import SaveError
 
 

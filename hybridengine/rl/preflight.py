@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridengine.config import ConfigError, uses_critic, validate_config
-from hybridengine.config.schema import RunConfig
+from hybridengine.config.run import RunConfig
 from hybridengine.models.hf import read_model_config
 from hybridengine.parallel.layout import RunLayout
 from hybridengine.rl.tracking import check_backends
@@ -65,6 +65,6 @@ def checked_layout(cfg, world_size: int) -> RunLayout:
 
 
 def checked_run_config(tree, world_size: int) -> RunConfig:
-    """The typed run config (config.schema) of a loaded tree once every preflight check
+    """The typed run config (config.run) of a loaded tree once every preflight check
     passed; else one ConfigError with them all."""
     return RunConfig.build(tree, checked_layout(tree, world_size))

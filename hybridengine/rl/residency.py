@@ -24,7 +24,7 @@ copies, timed as timing_s/offload.
 """
 from __future__ import annotations
 
-from hybridengine.training.engine import PARTS, TrainEngine
+from hybridengine.train.engine import PARTS, TrainEngine
 
 PHASE_USES: dict[str, dict[str, tuple[str, ...]]] = {
     "rollout": {"actor": ("params",)},

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.config.schema import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
+from hybridengine.config.run import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
     MegatronSection, OptimSection, RefConfig
-from hybridengine.training.engine import OptimConfig, TrainEngine
+from hybridengine.train.engine import OptimConfig, TrainEngine
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
 from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_entropy_loss, \

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridengine.training import checkpoint as ckpt
+from hybridengine.train import checkpoint as ckpt
 from hybridengine.rl.tracking import METRICS_FILE
 
 LOCK_FILE = ".run.lock"

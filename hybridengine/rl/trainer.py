@@ -18,9 +18,9 @@ from omegaconf import DictConfig
 from torch.profiler import record_function
 
 from hybridengine.config import uses_critic, uses_reference
-from hybridengine.config.schema import RunConfig
-from hybridengine.training.engine import TrainEngine
-from hybridengine.training import checkpoint as ckpt
+from hybridengine.config.run import RunConfig
+from hybridengine.train.engine import TrainEngine
+from hybridengine.train import checkpoint as ckpt
 from hybridengine.parallel.mesh import Meshes, build_meshes
 from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridengine.rl.batch import Batch
@@ -63,7 +63,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Trainer:
-    """One RL run of the typed config `cfg` (config.schema.RunConfig; a loaded tree is checked
+    """One RL run of the typed config `cfg` (config.run.RunConfig; a loaded tree is checked
     and typed here) on the process groups `meshes` (parallel.mesh.build_meshes: launch/ppo.py
     builds both). meshes None: a run of this process alone (tests, benchmarks)."""
 

@@ -50,7 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hybridengine.training.lr_schedule import LRSchedule, first_error
+from hybridengine.train.lr_schedule import LRSchedule, first_error
 from hybridengine.parallel.tensor import (all_gather_flat, all_reduce, group_rank, group_size,
                                           reduce_scatter_dim0)
 

@@ -306,7 +306,7 @@ def _build(cls, node, where: str):
     missing = sorted(n for n, f in fields.items() if n not in node
                      and f.default is dataclasses.MISSING)
     if extra or missing:
-        raise TypeError(f"config {where or 'tree'}: the schema (config.schema.{cls.__name__}) "
+        raise TypeError(f"config {where or 'tree'}: the schema (config.run.{cls.__name__}) "
                         f"and the tree differ: keys only in the tree {extra}, only in the "
                         f"schema {missing}")
     return cls(**{name: _value(hints[name], node[name], f"{where}{name}")

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
-from hybridengine.training.offload import HostParking
-from hybridengine.training.optimizer import DistributedOptimizer, LRSchedule
+from hybridengine.train.offload import HostParking
+from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
     train_1f1b
 
