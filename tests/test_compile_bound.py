@@ -5,6 +5,8 @@ hybridengine/rollout/model_runner.py (and hybridengine/train/engine.py) at the f
 again. On the CPU with aot_eager (dynamo's graphs and guards, no inductor); the gpu variant runs
 inductor in CUDA graphs. Also: hybridengine.compiling.CompileWatch (timing_s/compile and the
 late-compilation warning)."""
+from dataclasses import replace
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -13,6 +15,7 @@ from hybridengine.compiling import CompileWatch, compile_fn
 from hybridengine.models.hf import load_decoder
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.model_runner import MAX_COMPILED_GRAPHS
+from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from model_utils import STORIES
 from test_rollout import _prompts
@@ -52,7 +55,8 @@ def _run(engine: Engine, calls) -> tuple[int, int, list[str], list]:
         if i == len(calls):         # once more after free_cache(): another slot count
             slots = engine.runner.num_slots
             engine.free_cache()
-            engine.runner.kv_cache_tokens = (slots // 2 + 1) * engine.max_model_len
+            engine.runner.config = replace(engine.runner.config,
+                                           kv_cache_tokens=(slots // 2 + 1) * engine.max_model_len)
         results.append(engine.generate(prompts, params))
         first = first if first is not None else counters["stats"]["unique_graphs"]
         late += watch.poll().late
@@ -66,9 +70,10 @@ def test_rollout_compiles_a_bounded_set_of_graphs_at_the_first_generate(one_thre
     torch._dynamo.reset()
     counters.clear()
     model = load_decoder(STORIES)
-    engine = Engine(model, max_num_seqs=16, max_model_len=96, max_prefill_tokens=256,
-                    kv_cache_tokens=17 * 96, compile="aot_eager", compile_prefill="aot_eager",
-                    prefill_attention="dense")
+    engine = Engine(model, RolloutConfig(max_num_seqs=16, max_model_len=96, max_prefill_tokens=256,
+                                         kv_cache_tokens=17 * 96, compile=CompileMode.AOT_EAGER,
+                                         compile_prefill=CompileMode.AOT_EAGER,
+                                         prefill_attention="dense"))
     engine.runner.static_shapes = True          # the CUDA-graph shapes, without capture
     first, last, late, results = _run(engine, _calls(512))
     assert first == last == MAX_COMPILED_GRAPHS, (first, last)
@@ -172,8 +177,9 @@ def test_rollout_compiles_a_bounded_set_of_graphs_on_cuda():
     counters.clear()
     torch.manual_seed(0)
     model = Decoder(SMALL, dtype=torch.bfloat16, device=torch.device("cuda"))
-    engine = Engine(model, max_num_seqs=16, max_model_len=96, max_prefill_tokens=256,
-                    kv_cache_tokens=17 * 96, compile=True, compile_prefill=True)
+    engine = Engine(model, RolloutConfig(max_num_seqs=16, max_model_len=96, max_prefill_tokens=256,
+                                         kv_cache_tokens=17 * 96, compile=CompileMode.INDUCTOR,
+                                         compile_prefill=CompileMode.INDUCTOR))
     # 16 stop tokens of 1000: about a third of the random model's responses stop early
     first, last, late, _ = _run(engine, _calls(SMALL.vocab_size, stop=tuple(range(3, 19))))
     assert engine.runner.use_graphs and engine.runner.prefill_compiled

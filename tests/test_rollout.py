@@ -15,6 +15,7 @@ from hybridengine.parallel.mesh import build_mesh
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.kv_cache import SlotAllocator
 from hybridengine.rollout.model_runner import graph_buckets
+from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import CDF_BLOCK, SamplingParams, inverse_cdf
 from hybridengine.rollout.scheduler import Scheduler, Sequence
 from model_utils import STORIES, save_tiny, tiny_hf_model
@@ -29,8 +30,8 @@ def _prompts(lens, vocab, seed=1):
 
 
 def _greedy(model, prompts, stop=(), max_new=MAX_NEW, steps_in_flight=0, static=False, **kw):
-    engine = Engine(model, max_num_seqs=kw.pop("max_num_seqs", 8), max_model_len=64,
-                    max_prefill_tokens=128, **kw)
+    engine = Engine(model, RolloutConfig(max_num_seqs=kw.pop("max_num_seqs", 8), max_model_len=64,
+                                         max_prefill_tokens=128, **kw))
     engine.steps_in_flight = steps_in_flight
     engine.runner.static_shapes = static        # the CUDA-graph shapes, without capture
     return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new,
@@ -85,7 +86,8 @@ def _tp2_worker(rank, world, cases, sampled_ref):
 
 
 def _sample(model, prompts, max_num_seqs=8):
-    engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=64, max_prefill_tokens=128)
+    engine = Engine(model, RolloutConfig(max_num_seqs=max_num_seqs, max_model_len=64,
+                                         max_prefill_tokens=128))
     params = SamplingParams(n=2, temperature=0.9, top_p=0.95, top_k=20, max_tokens=10, seed=7)
     return engine.generate(prompts, params)
 
@@ -108,7 +110,7 @@ def test_greedy_matches_hf_generate_tp1_tp2(tmp_path):
 def test_logprobs_match_training_forward(tmp_path):
     model = load_decoder(save_tiny(tmp_path / "q", "qwen2", tied=True))
     prompts = _prompts([4, 9, 2], 97, seed=3)
-    engine = Engine(model, max_num_seqs=8, max_model_len=32, max_prefill_tokens=64)
+    engine = Engine(model, RolloutConfig(max_num_seqs=8, max_model_len=32, max_prefill_tokens=64))
     for temperature in (1.0, 0.7):
         params = SamplingParams(n=2, temperature=temperature, max_tokens=12, seed=11)
         results = engine.generate(prompts, params)
@@ -169,7 +171,7 @@ def test_sampling_matches_processed_distribution_chi_square():
     expected = _exact_processed(logits, 0.7, 5, 0.9)
     support = expected > 0
     assert 1 < int(support.sum()) < 5          # both filters bite
-    engine = Engine(model, max_num_seqs=num, max_model_len=8, max_prefill_tokens=8)
+    engine = Engine(model, RolloutConfig(max_num_seqs=num, max_model_len=8, max_prefill_tokens=8))
     params = SamplingParams(n=num, temperature=0.7, top_p=0.9, top_k=5, max_tokens=1, seed=123)
     results = engine.generate([prompt], params)
     tokens = torch.tensor([r.token_ids[0] for r in results])
@@ -215,7 +217,8 @@ def test_fixed_seed_reproduces_independent_of_batching(tmp_path):
     prompts = _prompts([4, 9, 2, 6], 97, seed=5)
 
     def run(seed, max_num_seqs):
-        engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=32, max_prefill_tokens=32)
+        engine = Engine(model, RolloutConfig(max_num_seqs=max_num_seqs, max_model_len=32,
+                                             max_prefill_tokens=32))
         params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=10, seed=seed)
         return [r.token_ids for r in engine.generate(prompts, params)]
 
@@ -296,14 +299,17 @@ def test_dense_prefill_equals_varlen_prefill(tmp_path, monkeypatch):
                        ([2, 14, 3], [])):       # padded, exact, too much padding: varlen
         prompts = _prompts(lens, 97, seed=sum(lens))
         runs = []
-        for mode, compiled in (("varlen", False), ("dense", False), ("dense", "aot_eager")):
+        for mode, compiled in (("varlen", CompileMode.EAGER), ("dense", CompileMode.EAGER),
+                               ("dense", CompileMode.AOT_EAGER)):
             calls.clear()
-            engine = Engine(model, max_num_seqs=8, max_model_len=64, max_prefill_tokens=128,
-                            prefill_attention=mode, compile_prefill=compiled)
+            eager = compiled is CompileMode.EAGER
+            engine = Engine(model, RolloutConfig(max_num_seqs=8, max_model_len=64,
+                                                 max_prefill_tokens=128, prefill_attention=mode,
+                                                 compile_prefill=compiled))
             runs.append(engine.generate(prompts, SamplingParams(temperature=0.0,
                                                                 max_tokens=6)))
-            assert engine.runner.prefill_compiled == bool(compiled)   # no eager fallback
-            if not compiled:                    # one call per layer, pad index or none
+            assert engine.runner.prefill_compiled == (not eager)   # no eager fallback
+            if eager:                           # one call per layer, pad index or none
                 assert calls == (used if mode == "dense" else [])
         assert not any(calls)                   # (traced calls) never without a pad index
         varlen = runs[0]
@@ -353,7 +359,7 @@ def test_flash_decode_arguments_match_sdpa(monkeypatch, backend):
 
 def test_free_cache_then_generate_again():
     model = _small_vocab_model()
-    engine = Engine(model, max_num_seqs=4, max_model_len=12, kv_cache_tokens=5 * 12)
+    engine = Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=12, kv_cache_tokens=5 * 12))
     params = SamplingParams(n=2, max_tokens=6, seed=3)
     first = engine.generate([[1, 2, 3], [4]], params)
     assert engine.runner.num_slots == 4
@@ -381,7 +387,7 @@ def test_scheduler_budget_shared_prompts_and_slot_order():
 
 def test_bad_inputs_one_line_errors():
     model = _small_vocab_model()
-    engine = Engine(model, max_num_seqs=2, max_model_len=8)
+    engine = Engine(model, RolloutConfig(max_num_seqs=2, max_model_len=8))
     params = SamplingParams(max_tokens=2)
     seeded = SamplingParams(max_tokens=2, seed=3)
     good = engine.generate([[1, 2], [3]], seeded)
@@ -398,11 +404,23 @@ def test_bad_inputs_one_line_errors():
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
-        Engine(model, max_model_len=8, max_prefill_tokens=4)
+        Engine(model, RolloutConfig(max_model_len=8, max_prefill_tokens=4))
     with pytest.raises(ValueError, match="kv_cache_tokens"):
-        Engine(model, max_model_len=8, kv_cache_tokens=8).generate([[1]], params)
-    with pytest.raises(ValueError, match="attn_backend"):
-        Engine(model, max_model_len=8, attn_backend="paged")
+        Engine(model, RolloutConfig(max_model_len=8, kv_cache_tokens=8)).generate([[1]], params)
+    # the checks that need no model fail where the config is built
+    for kw, match in [({"attn_backend": "paged"}, "attn_backend='paged' is not one of"),
+                      ({"prefill_attention": "paged"}, "prefill_attention='paged' is not one of"),
+                      ({"max_num_seqs": 0}, "max_num_seqs=0 must be >= 1"),
+                      ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization=0.0 must be"),
+                      ({"compile": CompileMode.CPP_WRAPPER},
+                       "compile=CompileMode.CPP_WRAPPER: the decode step takes"),
+                      ({"compile_prefill": CompileMode.MAX_AUTOTUNE},
+                       "compile_prefill=CompileMode.MAX_AUTOTUNE: the prefill step takes"),
+                      ({"compile": True}, r"compile=True \(not a CompileMode\)"),
+                      ({"compile_prefill": CompileMode.AOT_EAGER.value},   # its string: no mode
+                       r"compile_prefill='aot_eager' \(not a CompileMode\)")]:
+        with pytest.raises(ValueError, match=match):
+            RolloutConfig(**kw)
 
 
 def test_auto_backend_falls_back_triton_then_flash_then_per_head_then_sdpa(monkeypatch):
@@ -491,12 +509,13 @@ for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
 # The engine on the triton backend: greedy tokens and log-probs as on SDPA.
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 cfg = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)
 model = Decoder(cfg)
 prompts = [[1, 2, 3], [7] * 70, [4, 9]]
-engines = {b: Engine(model, max_num_seqs=4, max_model_len=96, attn_backend=b)
+engines = {b: Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=96, attn_backend=b))
            for b in ("triton", "sdpa")}
 assert engines["triton"].runner.backend == "triton"
 runs = {b: e.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
@@ -616,6 +635,7 @@ from hybridengine.kernels import decode_attention as da, sampler as fs
 from hybridengine.kernels.settings import RolloutKernelSettings
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 torch.manual_seed(0)
 cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=1,
@@ -624,8 +644,8 @@ model = Decoder(cfg)
 other = RolloutKernelSettings(decode_block_n=16, decode_num_warps=2, decode_num_stages=2,
                               pdl=False, decode_prefetch_keys=0, sampler_chunk_blocks=4,
                               sampler_chunk_warps=4)
-engines = {s: Engine(model, max_num_seqs=3, max_model_len=40, attn_backend="triton",
-                     kernel_settings=s) for s in (RolloutKernelSettings(), other)}
+engines = {s: Engine(model, RolloutConfig(max_num_seqs=3, max_model_len=40, attn_backend="triton",
+                                         kernels=s)) for s in (RolloutKernelSettings(), other)}
 seen = []
 launch, sample = da._launch, fs.sample_temperature
 def launch_spy(*a, **k):
@@ -670,9 +690,9 @@ def test_compiled_decode_and_bookkeeping_equal_eager(static):
     stop = _pick_stop([r.token_ids for r in free])
     params = SamplingParams(temperature=0.8, max_tokens=MAX_NEW, stop_token_ids=(stop,), seed=5)
     runs = []
-    for compile in (False, "aot_eager"):
-        engine = Engine(model, max_num_seqs=3, max_model_len=64, max_prefill_tokens=128,
-                        compile=compile)
+    for compile in (CompileMode.EAGER, CompileMode.AOT_EAGER):
+        engine = Engine(model, RolloutConfig(max_num_seqs=3, max_model_len=64,
+                                             max_prefill_tokens=128, compile=compile))
         engine.runner.static_shapes = static
         runs.append(engine.generate(prompts, params))
     plain, compiled = runs
@@ -690,7 +710,8 @@ def test_compiled_prefill_equals_eager_and_falls_back(monkeypatch, caplog):
     model = load_decoder(STORIES)
     prompts = _prompts([5, 17, 2, 9, 30, 4], 512, seed=7)
     plain, _ = _greedy(model, prompts, max_num_seqs=3)          # several prefills of new shapes
-    compiled, engine = _greedy(model, prompts, max_num_seqs=3, compile_prefill="aot_eager")
+    compiled, engine = _greedy(model, prompts, max_num_seqs=3,
+                               compile_prefill=CompileMode.AOT_EAGER)
     assert [r.token_ids for r in compiled] == [r.token_ids for r in plain]
     assert all(abs(a - b) < 1e-5 for x, y in zip(compiled, plain)
                for a, b in zip(x.logprobs, y.logprobs))
@@ -702,7 +723,8 @@ def test_compiled_prefill_equals_eager_and_falls_back(monkeypatch, caplog):
         return run
     monkeypatch.setattr(torch, "compile", broken)
     with caplog.at_level("WARNING", logger="hybridengine.rollout.model_runner"):
-        fallback, engine = _greedy(model, prompts, max_num_seqs=3, compile_prefill=True)
+        fallback, engine = _greedy(model, prompts, max_num_seqs=3,
+                                   compile_prefill=CompileMode.INDUCTOR)
     assert [r.token_ids for r in fallback] == [r.token_ids for r in plain]
     assert not engine.runner.prefill_compiled
     assert sum("compiled prefill failed (RuntimeError: inductor says no)" in r.message

@@ -8,6 +8,7 @@ from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import load_decoder
 from hybridengine.rollout import attention
 from hybridengine.rollout.engine import Engine, max_logprob_gap
+from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from model_utils import STORIES
 from test_rollout import _hf_greedy, _pick_stop, _prompts
@@ -20,9 +21,10 @@ SMALL = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num
 
 
 def _greedy(model, prompts, stop, **kw):
-    engine = Engine(model, max_num_seqs=kw.pop("max_num_seqs", 4), max_model_len=64,
-                    max_prefill_tokens=128, kv_cache_tokens=kw.pop("kv_cache_tokens", 5 * 64),
-                    **kw)
+    engine = Engine(model, RolloutConfig(max_num_seqs=kw.pop("max_num_seqs", 4), max_model_len=64,
+                                         max_prefill_tokens=128,
+                                         kv_cache_tokens=kw.pop("kv_cache_tokens", 5 * 64),
+                                         **kw))
     params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=tuple(stop))
     return engine.generate(prompts, params), engine
 
@@ -54,8 +56,8 @@ def test_flash_decode_bf16_logprobs_match_training_forward():
     params = SamplingParams(n=3, max_tokens=40, seed=5)
     by_backend = {}
     for backend in ("triton", "flash", "flash_per_head", "sdpa"):
-        engine = Engine(model, max_num_seqs=8, max_model_len=128, kv_cache_tokens=9 * 128,
-                        attn_backend=backend)
+        engine = Engine(model, RolloutConfig(max_num_seqs=8, max_model_len=128,
+                                             kv_cache_tokens=9 * 128, attn_backend=backend))
         assert engine.runner.backend == backend
         by_backend[backend] = engine.generate(prompts, params)
     for backend, results in by_backend.items():
@@ -65,7 +67,8 @@ def test_flash_decode_bf16_logprobs_match_training_forward():
 
 def test_gpu_memory_utilization_budget():
     model = _small_bf16()
-    engine = Engine(model, max_num_seqs=64, max_model_len=128, gpu_memory_utilization=0.3)
+    engine = Engine(model, RolloutConfig(max_num_seqs=64, max_model_len=128,
+                                         gpu_memory_utilization=0.3))
     results = engine.generate(_prompts([5, 9], SMALL.vocab_size), SamplingParams(max_tokens=4))
     total = torch.cuda.get_device_properties(CUDA).total_memory
     assert 1 <= engine.runner.num_slots <= 64
@@ -79,9 +82,10 @@ def test_compiled_decode_matches_eager_fp32():
     model = load_decoder(STORIES, device=CUDA)
     prompts = _prompts([3, 12, 5, 9], 512, seed=4)
     plain, _ = _greedy(model, prompts, ())
-    compiled, _ = _greedy(model, prompts, (), compile=True)
+    compiled, _ = _greedy(model, prompts, (), compile=CompileMode.INDUCTOR)
     assert [r.token_ids for r in compiled] == [r.token_ids for r in plain]
-    both, engine = _greedy(model, prompts, (), compile=True, compile_prefill=True)
+    both, engine = _greedy(model, prompts, (), compile=CompileMode.INDUCTOR,
+                           compile_prefill=CompileMode.INDUCTOR)
     assert engine.runner.prefill_compiled, "the compiled prefill fell back to eager"
     assert [r.token_ids for r in both] == [r.token_ids for r in plain]
 
@@ -105,8 +109,8 @@ def test_fused_sampler_matches_torch_sampler_bf16_full_vocab():
         assert (lp - rlp)[same].abs().max() < 1e-4 and (slp - rslp)[same].abs().max() < 1e-4
     model = Decoder(SMALL, dtype=torch.float32, device=CUDA)
     prompts = _prompts([5, 9, 3, 12], SMALL.vocab_size, seed=4)
-    engine = Engine(model, max_num_seqs=4, max_model_len=64, max_prefill_tokens=128,
-                    kv_cache_tokens=5 * 64)
+    engine = Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=64, max_prefill_tokens=128,
+                                         kv_cache_tokens=5 * 64))
     res = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
     assert max_logprob_gap(model, prompts, res) < 1e-4
     again = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
@@ -163,7 +167,8 @@ def test_dense_prefill_attention_bf16_matches_varlen():
 def test_auto_prefill_is_dense_in_bf16_and_logprobs_match_training_forward():
     model = _small_bf16()
     prompts = _prompts([30, 28, 32, 25, 31], SMALL.vocab_size, seed=4)
-    engine = Engine(model, max_num_seqs=8, max_model_len=128, kv_cache_tokens=9 * 128)
+    engine = Engine(model, RolloutConfig(max_num_seqs=8, max_model_len=128,
+                                         kv_cache_tokens=9 * 128))
     assert engine.runner.prefill_attention == "dense"
     results = engine.generate(prompts, SamplingParams(n=2, max_tokens=30, seed=1))
     assert max_logprob_gap(model, prompts, results) < 0.05
@@ -189,9 +194,10 @@ def test_programmatic_dependent_launch_changes_no_result():
             for decode in (True, False):
                 options = inductor_options(CUDA, decode, pdl)
                 assert options.get("triton.enable_pdl", False) == pdl
-            engine = Engine(model, max_num_seqs=64, max_model_len=96, max_prefill_tokens=1024,
-                            kv_cache_tokens=65 * 96, compile=True, compile_prefill=True,
-                            kernel_settings=RolloutKernelSettings(pdl=pdl))
+            engine = Engine(model, RolloutConfig(
+                max_num_seqs=64, max_model_len=96, max_prefill_tokens=1024,
+                kv_cache_tokens=65 * 96, compile=CompileMode.INDUCTOR,
+                compile_prefill=CompileMode.INDUCTOR, kernels=RolloutKernelSettings(pdl=pdl)))
             runs.append(engine.generate(prompts, params))
         finally:
             torch._dynamo.reset()

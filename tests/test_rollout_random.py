@@ -26,6 +26,7 @@ import torch
 
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.rollout.engine import Engine, max_logprob_gap
+from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 
 # (q heads, K/V heads, head_dim) of SmolLM2-135M, Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.1-8B
@@ -97,9 +98,10 @@ def generate(model, seed: int, max_num_seqs: int, max_model_len: int, max_prefil
     tokens (more sequences than slots; several prompts per prefill where they fit; none when
     num_prompts = 0), then the staircase, whose step sizes do not depend on what is sampled.
     Returns the results of the calls, their prompts, the steps seen and the engine."""
-    engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                    max_prefill_tokens=max_prefill_tokens,
-                    kv_cache_tokens=(max_num_seqs + 1) * max_model_len, **kw)
+    engine = Engine(model, RolloutConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                         max_prefill_tokens=max_prefill_tokens,
+                                         kv_cache_tokens=(max_num_seqs + 1) * max_model_len,
+                                         **kw))
     engine.steps_in_flight = 1          # as on CUDA: finished rows stay one more step
     if static is not None:
         engine.runner.static_shapes = static
@@ -262,7 +264,8 @@ GPU = dict(max_num_seqs=40, max_model_len=128, max_prefill_tokens=128, prompt_le
            max_tokens=32, num_prompts=48)
 GPU_RUNS = {"eager": dict(enforce_eager=True),          # the issue's setting: no graphs
             "graphs": dict(),
-            "compiled": dict(compile=True, compile_prefill=True)}
+            "compiled": dict(compile=CompileMode.INDUCTOR,
+                             compile_prefill=CompileMode.INDUCTOR)}
 
 
 def _gpu_model(heads, dtype):
@@ -294,7 +297,7 @@ def test_random_rollouts_gpu(heads):
     for name, kw in GPU_RUNS.items():
         # fp32 prefills run per-sequence SDPA (flash is 16-bit only): its loop over a
         # different number of prompts at each prefill would recompile; the decode step only
-        kw = dict(kw, compile_prefill=False)
+        kw = dict(kw, compile_prefill=CompileMode.EAGER)
         torch._dynamo.reset()
         what = f"{heads} fp32 {name}"
         got, _, seen, engine = generate(model, 3, attn_backend="triton", **kw, **GPU)
@@ -334,7 +337,7 @@ def test_random_rollouts_gpu_pdl_changes_no_bit(heads):
             for name, kw in GPU_RUNS.items():
                 torch._dynamo.reset()       # the compiled steps are cached per function
                 runs[pdl, name] = generate(model, 4, attn_backend="triton", **kw, **GPU,
-                                           kernel_settings=settings)[0]
+                                           kernels=settings)[0]
     finally:
         torch._dynamo.reset()
     for name in GPU_RUNS:

@@ -31,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.kernels import sampler as fused_sampler  # noqa: E402
 from hybridengine.kernels.settings import RolloutKernelSettings  # noqa: E402
-from hybridengine.rollout.attention import BACKENDS, PREFILL_ATTENTION  # noqa: E402
 from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
+from hybridengine.rollout.rollout_config import (BACKENDS, PREFILL_ATTENTION,  # noqa: E402
+                                                 CompileMode, RolloutConfig)
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
 
 from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
@@ -89,6 +90,18 @@ def kernel_settings(args) -> RolloutKernelSettings:
     return replace(RolloutKernelSettings(), **changes)
 
 
+def rollout_config(args) -> RolloutConfig:
+    """The engine's config that the arguments name: a row per prompt and the cache sized for
+    them (so that every variant runs the same batch), the flags' knobs, kernel_settings."""
+    max_len = args.prompt_len + args.new_tokens
+    return RolloutConfig(max_num_seqs=args.batch, max_model_len=max_len,
+                         kv_cache_tokens=(args.batch + 1) * max_len,
+                         max_prefill_tokens=max(args.max_prefill_tokens, max_len),
+                         enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,
+                         compile_prefill=args.compile_prefill,
+                         prefill_attention=args.prefill_attention, kernels=kernel_settings(args))
+
+
 def bench_engine(model, prompts, args, device) -> dict:
     """_bench_engine with the process-wide state the arguments name set for the run (and put
     back after it)."""
@@ -108,15 +121,8 @@ def bench_engine(model, prompts, args, device) -> dict:
 
 
 def build_engine(model, args) -> tuple[Engine, SamplingParams]:
-    """The benchmark's engine (a row per prompt, the cache sized for them) and its sampling."""
-    max_len = args.prompt_len + args.new_tokens
-    engine = Engine(model, max_num_seqs=args.batch, max_model_len=max_len,
-                    kv_cache_tokens=(args.batch + 1) * max_len,
-                    max_prefill_tokens=max(args.max_prefill_tokens, max_len),
-                    enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,
-                    compile_prefill=args.compile_prefill,
-                    prefill_attention=args.prefill_attention,
-                    kernel_settings=kernel_settings(args))
+    """The benchmark's engine (rollout_config) and its sampling."""
+    engine = Engine(model, rollout_config(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     return engine, params
@@ -124,7 +130,8 @@ def build_engine(model, args) -> tuple[Engine, SamplingParams]:
 
 def _bench_engine(model, prompts, args, device) -> dict:
     engine, params = build_engine(model, args)
-    log(f"engine warm-up (graph capture{', compile' if args.compile else ''})")
+    compiling = args.compile is not CompileMode.EAGER
+    log(f"engine warm-up (graph capture{', compile' if compiling else ''})")
     t0 = time.perf_counter()
     engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
     sync(device)
@@ -285,9 +292,12 @@ def parse_args(argv=None):
                     help="the fused decode attention under PDL does not prefetch the first "
                          "cached K/V tiles into L2 before its device wait")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    ap.add_argument("--compile-prefill", action="store_true",
-                    help="torch.compile the prefill forward")
+    # the flags set a CompileMode (inductor); the autotune and prefill_cpp_wrapper variants
+    # set the benchmark-only ones
+    ap.add_argument("--compile", action="store_const", const=CompileMode.INDUCTOR,
+                    default=CompileMode.EAGER, help="torch.compile the decode step")
+    ap.add_argument("--compile-prefill", action="store_const", const=CompileMode.INDUCTOR,
+                    default=CompileMode.EAGER, help="torch.compile the prefill forward")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate")
     ap.add_argument("--vllm", action="store_true", help="also time the vLLM rollout backend")
     ap.add_argument("--variants", default="",
@@ -362,12 +372,13 @@ def main(argv=None) -> None:
         save(out, args.out)
     knobs = {"triton": {"attn": "triton"}, "flash": {"attn": "flash"},
              "flash_per_head": {"attn": "flash_per_head"}, "sdpa": {"attn": "sdpa"},
-             "eager": {"eager": True}, "compile": {"compile": True},
-             "compile_prefill": {"compile_prefill": True}, "torch_sampler": {"sampler": "torch"},
-             "autotune": {"compile": "max-autotune"},
+             "eager": {"eager": True}, "compile": {"compile": CompileMode.INDUCTOR},
+             "compile_prefill": {"compile_prefill": CompileMode.INDUCTOR},
+             "torch_sampler": {"sampler": "torch"},
+             "autotune": {"compile": CompileMode.MAX_AUTOTUNE},
              "separate_rope": {"separate_rope": True},
              "prefill_64k": {"max_prefill_tokens": 65536}, "cublaslt": {"blas": "cublaslt"},
-             "prefill_cpp_wrapper": {"compile_prefill": "cpp-wrapper"},
+             "prefill_cpp_wrapper": {"compile_prefill": CompileMode.CPP_WRAPPER},
              "prefill_varlen": {"prefill_attention": "varlen"},
              "prefill_dense": {"prefill_attention": "dense"},
              "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")},

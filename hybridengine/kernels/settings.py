@@ -1,6 +1,6 @@
 """The rollout's kernel settings: one frozen object instead of module switches.
 
-    Engine(model, ..., kernel_settings=RolloutKernelSettings(pdl=False))
+    Engine(model, RolloutConfig(kernels=RolloutKernelSettings(pdl=False)))
 
 The Engine hands it to its ModelRunner, which hands it to the attention contexts, the sampler
 and the compile options; the Triton launchers take the values as explicit arguments whose

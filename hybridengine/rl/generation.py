@@ -28,6 +28,7 @@ from hybridengine.hybrid.reshard import HybridEngine
 from hybridengine.parallel.mesh import GenMesh
 from hybridengine.parallel.tensor import all_gather_dim0, all_reduce
 from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from hybridengine.rollout.vllm import (VllmRollout, check_model as check_vllm_model,
                                        vllm_available, vllm_replica)
@@ -95,16 +96,19 @@ class Generator:
                     enforce_eager=c.enforce_eager, bucket_mb=self.bucket_mb)
             self.engine.update_weights(model, self.gen_mesh.gen_tp_group)
         elif self.engine is None:
-            self.engine = Engine(model, max_num_seqs=c.max_num_seqs,
-                                 max_model_len=self.max_model_len,
-                                 gpu_memory_utilization=c.gpu_memory_utilization,
-                                 max_prefill_tokens=max(16384, self.max_model_len),
-                                 enforce_eager=c.enforce_eager or dev.type != "cuda",
-                                 compile=c.compile and dev.type == "cuda",
-                                 compile_prefill=c.compile_prefill and dev.type == "cuda",
-                                 attn_backend=c.attn_backend,
-                                 prefill_attention=c.prefill_attention,
-                                 device=dev, dtype=self.dtype)
+            cuda = dev.type == "cuda"
+            # the run config's compile switches are booleans: inductor, on CUDA only
+            compile_decode, compile_prefill = (
+                CompileMode.INDUCTOR if on and cuda else CompileMode.EAGER
+                for on in (c.compile, c.compile_prefill))
+            config = RolloutConfig(max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len,
+                                   gpu_memory_utilization=c.gpu_memory_utilization,
+                                   max_prefill_tokens=max(16384, self.max_model_len),
+                                   enforce_eager=c.enforce_eager or not cuda,
+                                   compile=compile_decode, compile_prefill=compile_prefill,
+                                   attn_backend=c.attn_backend,
+                                   prefill_attention=c.prefill_attention)
+            self.engine = Engine(model, config, device=dev, dtype=self.dtype)
         return self.engine
 
     def close(self) -> None:

@@ -44,10 +44,11 @@ from hybridengine.kernels import kv_write
 from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernelSettings
 from hybridengine.models.attention import PackedCausalAttention, PackedInput
 from hybridengine.rollout.kv_cache import KVCache, write_rows
+# the choice lists live in the torch-free config module (RolloutConfig checks them there)
+from hybridengine.rollout.rollout_config import BACKENDS, PREFILL_ATTENTION
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "flash", "flash_per_head", "sdpa")
 _FLASH = ("flash", "flash_per_head")
 _SEQUSED = ("triton",) + _FLASH          # backends that read the used prefix of each slot
 # Measured on an H200 (bench/RESULTS.md, 2026-11-30): triton 3.1 ms per decode step against
@@ -79,9 +80,6 @@ def _find_flash_decode():
 
 
 _FLASH_DECODE = _find_flash_decode()
-
-
-PREFILL_ATTENTION = ("auto", "varlen", "dense")
 
 
 def resolve_prefill_attention(requested: str, device: torch.device, dtype: torch.dtype,

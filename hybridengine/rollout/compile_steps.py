@@ -24,6 +24,7 @@ import torch
 
 from hybridengine.compiling import compile_fn
 from hybridengine.kernels.decode_attention import pdl_supported
+from hybridengine.rollout.rollout_config import CompileMode, check_compile_mode
 from hybridengine.rollout.sampling import uniforms
 
 # graphs the compiled steps compile in a process (module docstring)
@@ -48,43 +49,47 @@ def inductor_options(device: torch.device, decode: bool, pdl: bool = True) -> di
     return options
 
 
-def compile_decode_steps(decode_hidden, commit, compile: bool | str, device: torch.device,
+def compile_decode_steps(decode_hidden, commit, mode: CompileMode, device: torch.device,
                          pdl: bool = True):
     """(decode forward, random-stream hashing, commit): the given functions (and
-    sampling.uniforms), or with compile their torch.compile'd forms.
+    sampling.uniforms), or unless mode is EAGER their torch.compile'd forms.
 
     Compiling fuses the decode step's small ops (norms, RoPE, SwiGLU); the batch dimension is
     marked dynamic, so one compile serves every graph bucket. The bookkeeping around the
     sampler (the random stream's integer hashing, result and state updates: ~45 tiny kernels
     per decode step) is compiled the same way; the torch sampler is not: its vocabulary-wide
     sort/cumsum gains nothing from fusion and trips Inductor on torch 2.11 (bench/RESULTS.md).
-    A string names the compile backend (tests use "aot_eager"); "max-autotune": inductor
-    benchmarks its GEMM templates against cuBLAS for the decode step's small-M matmuls, a
-    benchmark variant: slower on an H200 (78.9k against 82.4k generated tok/s, 93 s of warm-up
-    against 55 s)."""
-    if not compile:
+    MAX_AUTOTUNE: inductor benchmarks its GEMM templates against cuBLAS for the decode step's
+    small-M matmuls, a benchmark variant: slower on an H200 (78.9k against 82.4k generated
+    tok/s, 93 s of warm-up against 55 s). CPP_WRAPPER is a prefill mode: ValueError."""
+    check_compile_mode("compile", mode, "decode")
+    if mode is CompileMode.EAGER:
         return decode_hidden, uniforms, commit
-    how = {"mode": "max-autotune-no-cudagraphs"} if compile == "max-autotune" else \
-        {"backend": compile if isinstance(compile, str) else "inductor"}
-    if how.get("backend") == "inductor":
-        how["options"] = inductor_options(device, decode=True, pdl=pdl)
+    if mode is CompileMode.MAX_AUTOTUNE:
+        how = {"mode": "max-autotune-no-cudagraphs"}
+    else:               # INDUCTOR, AOT_EAGER: the member's value is the backend's name
+        how = {"backend": mode.value}
+        if mode is CompileMode.INDUCTOR:
+            how["options"] = inductor_options(device, decode=True, pdl=pdl)
     return (compile_fn(decode_hidden, **how), compile_fn(uniforms, dynamic=True, **how),
             compile_fn(commit, dynamic=True, **how))
 
 
-def compile_prefill_step(prefill_hidden, compile_prefill: bool | str, device: torch.device,
+def compile_prefill_step(prefill_hidden, mode: CompileMode, device: torch.device,
                          pdl: bool = True):
-    """The prefill forward, or with compile_prefill its torch.compile'd form (dynamic shapes:
+    """The prefill forward, or unless mode is EAGER its torch.compile'd form (dynamic shapes:
     every prefill packs a different number of tokens and prompts; the runner falls back to
-    eager, once, if compiling fails). "cpp-wrapper": inductor launches the kernels from C++
+    eager, once, if compiling fails). CPP_WRAPPER: inductor launches the kernels from C++
     instead of Python (a benchmark variant; on an H200 it gained nothing measurable: prefill
     0.241 against 0.243 s, with 110 against 60 s of warm-up; bench/RESULTS.md 2026-11-30
-    session 6, call 1)."""
-    if not compile_prefill:
+    session 6, call 1). MAX_AUTOTUNE is a decode mode: ValueError."""
+    check_compile_mode("compile_prefill", mode, "prefill")
+    if mode is CompileMode.EAGER:
         return prefill_hidden
+    if mode is CompileMode.AOT_EAGER:
+        return compile_fn(prefill_hidden, backend=mode.value, dynamic=True)
     options = inductor_options(device, decode=False, pdl=pdl)
-    if compile_prefill == "cpp-wrapper":
-        return compile_fn(prefill_hidden, dynamic=True, options={"cpp_wrapper": True, **options})
-    backend = compile_prefill if isinstance(compile_prefill, str) else "inductor"
-    return compile_fn(prefill_hidden, backend=backend, dynamic=True,
-                      **({"options": options} if backend == "inductor" and options else {}))
+    if mode is CompileMode.CPP_WRAPPER:
+        options = {"cpp_wrapper": True, **options}
+    return compile_fn(prefill_hidden, backend=CompileMode.INDUCTOR.value, dynamic=True,
+                      **({"options": options} if options else {}))

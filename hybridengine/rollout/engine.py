@@ -23,15 +23,15 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernelSettings
 from hybridengine.parallel.tensor import all_reduce
 from hybridengine.rollout.kv_cache import SlotAllocator
 from hybridengine.rollout.model_runner import ModelRunner, Pending
+from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams, sequence_key
 from hybridengine.rollout.scheduler import Scheduler, Sequence
 
@@ -82,47 +82,29 @@ def max_logprob_gap(model, prompts: list[list[int]], results) -> float:
 
 
 class Engine:
-    """Engine(model, max_num_seqs, max_model_len, ...).generate(prompts, params) -> results
-    ordered prompt-major (prompt i, sample j at i·n + j).
+    """Engine(model, RolloutConfig(...)).generate(prompts, params) -> results ordered
+    prompt-major (prompt i, sample j at i·n + j).
 
-    KV budget: kv_cache_tokens (a token count), else on CUDA gpu_memory_utilization (share of
-    device memory for everything this process holds while generating), else max_num_seqs rows.
-    enforce_eager=False captures decode graphs on CUDA. attn_backend: auto | triton | flash |
-    flash_per_head | sdpa (rollout.attention).
-    compile=True runs the decode step through torch.compile (inductor) before capture
-    ("max-autotune": inductor's max-autotune-no-cudagraphs mode; another string: that backend);
-    compile_prefill=True the prefill forward too (dynamic shapes; eager again if it fails).
-    prefill_attention: auto | varlen | dense (rollout.attention.resolve_prefill_attention); with
-    dense, prompts enter longest first, so that each prefill pads little.
-    kernel_settings: the Triton kernels' tiles and launches, PDL, and the fused forms
-    (kernels.settings.RolloutKernelSettings; the defaults are the measured fastest, and a
-    benchmark passes dataclasses.replace(RolloutKernelSettings(), ...) to compare).
+    The settings (KV budget, CUDA graphs, attention backends, compile modes, kernel settings)
+    are one RolloutConfig (rollout/rollout_config.py), which checks what it can on its own;
+    here the checks that need the model: max_model_len (None: the model's
+    max_position_embeddings) and max_prefill_tokens against it. self.config holds the resolved
+    max_model_len. device / dtype, if given, must be the model's (a caller's expectation,
+    checked: the engine never moves the model).
     """
 
-    def __init__(self, model, max_num_seqs: int = 256, max_model_len: int | None = None,
-                 kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_prefill_tokens: int = 16384, enforce_eager: bool = False,
-                 attn_backend: str = "auto", compile: bool | str = False,
-                 compile_prefill: bool | str = False, prefill_attention: str = "auto",
-                 device=None, dtype: torch.dtype | None = None, *,
-                 kernel_settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS):
-        max_model_len = max_model_len or model.cfg.max_position_embeddings
+    def __init__(self, model, config: RolloutConfig = RolloutConfig(), *, device=None,
+                 dtype: torch.dtype | None = None):
+        max_model_len = config.max_model_len or model.cfg.max_position_embeddings
         _check_model(model, device, dtype)
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         if max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len} must be >= 2")
-        if max_prefill_tokens < max_model_len:
-            raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be >= "
+        if config.max_prefill_tokens < max_model_len:
+            raise ValueError(f"max_prefill_tokens={config.max_prefill_tokens} must be >= "
                              f"max_model_len={max_model_len} (a prompt is prefilled in one step)")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         self.model, self.max_model_len = model, max_model_len
-        self.runner = ModelRunner(model, max_num_seqs, max_model_len, max_prefill_tokens,
-                                  kv_cache_tokens, gpu_memory_utilization, enforce_eager,
-                                  attn_backend, compile, compile_prefill, prefill_attention,
-                                  kernel_settings)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.config = replace(config, max_model_len=max_model_len)
+        self.runner = ModelRunner(model, self.config, max_model_len)
         # Steps whose finished flags are read only after the next step is queued: 1 on CUDA
         # (the host never waits for the step it just launched); tests set 1 on CPU too.
         self.steps_in_flight = 1 if self.runner.device.type == "cuda" else 0
@@ -150,7 +132,7 @@ class Engine:
         runner = self.runner
         runner.allocate()
         runner.begin(params, len(seqs), max(s.max_gen for s in seqs))
-        sched = Scheduler(SlotAllocator(runner.num_slots), self.max_prefill_tokens)
+        sched = Scheduler(SlotAllocator(runner.num_slots), self.config.max_prefill_tokens)
         # longest prompts first for the dense prefill (stable: a prompt's samples stay together);
         # the order of admission changes no sequence's tokens (each has its own random key)
         for s in sorted(seqs, key=lambda s: -len(s.prompt)) \

@@ -14,8 +14,8 @@ computes is kept). When the host frees a finished slot, `collect` copies the slo
 to the result buffers (in stream order, before any prefill reuses the slot); `results` moves
 them to the host once per generate call.
 
-The engine's kernel settings (kernels.settings.RolloutKernelSettings) reach the attention
-contexts, the sampler and the compile options from here.
+The engine's RolloutConfig (rollout/rollout_config.py) is read here; its kernel settings
+(config.kernels) reach the attention contexts, the sampler and the compile options from here.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernelSettings
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0, group_size
 from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resolve_backend,
@@ -36,6 +35,7 @@ from hybridengine.rollout.compile_steps import (MAX_COMPILED_GRAPHS,  # noqa: F4
 from hybridengine.rollout.decode_graphs import DecodeGraphs, graph_buckets
 from hybridengine.rollout.kv_cache import KVCache, kv_bytes_per_token, plan_num_slots
 from hybridengine.rollout.prefill_plan import add_pad_index, dense_pays, prefill_plan
+from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample
 from hybridengine.rollout.scheduler import Sequence
 from hybridengine.rollout.slot_state import Pending, SlotState, h2d
@@ -44,42 +44,40 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, max_num_seqs: int, max_model_len: int, max_prefill_tokens: int,
-                 kv_cache_tokens: int | None, gpu_memory_utilization: float | None,
-                 enforce_eager: bool, attn_backend: str, compile: bool | str = False,
-                 compile_prefill: bool | str = False, prefill_attention: str = "varlen",
-                 kernel_settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS):
-        self.model = model
+    def __init__(self, model, config: RolloutConfig, max_model_len: int):
+        """config: the engine's; max_model_len: config.max_model_len resolved against the
+        model (the Engine's check). allocate() reads the config's cache budget at each
+        allocation, so a config swapped in after free() sizes the next cache."""
+        self.model, self.config, self.max_model_len = model, config, max_model_len
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.vocab_size = model.cfg.vocab_size
         self.tp_group, self.tp = model.tp_group, group_size(model.tp_group)
-        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.max_prefill_tokens = max_prefill_tokens
-        self.kv_cache_tokens, self.gpu_memory_utilization = kv_cache_tokens, gpu_memory_utilization
-        self.kernel_settings = kernel_settings
-        self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        # the kernel settings as an attribute of their own: the compiled steps read (and guard on)
+        # it, not the config, which a test replaces after free() to size the next cache
+        self.kernel_settings = kernels = config.kernels
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         # graph-shaped decode (bucket padding with scratch rows, all max_model_len keys);
         # tests set it on the CPU to run that path without capture
         self.static_shapes = self.use_graphs
         # Optionally the decode step and its sampler bookkeeping, and the prefill forward,
         # through torch.compile (rollout/compile_steps.py); a prefill that fails to compile
         # falls back to eager, once.
-        pdl = kernel_settings.pdl
-        self.compiled, self.prefill_compiled = bool(compile), bool(compile_prefill)
+        self.compiled = config.compile is not CompileMode.EAGER
+        self.prefill_compiled = config.compile_prefill is not CompileMode.EAGER
         self._decode_body, self._uniforms, self._commit_rows = compile_decode_steps(
-            self._decode_hidden, self._commit, compile, self.device, pdl)
-        self._prefill_body = compile_prefill_step(self._prefill_hidden, compile_prefill,
-                                                  self.device, pdl)
+            self._decode_hidden, self._commit, config.compile, self.device, kernels.pdl)
+        self._prefill_body = compile_prefill_step(self._prefill_hidden, config.compile_prefill,
+                                                  self.device, kernels.pdl)
         self._prefill_forms_compiled = False
         c = model.cfg
         heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
-        self.backend = resolve_backend(attn_backend, self.device, self.dtype, heads,
-                                       kernel_settings)
+        self.backend = resolve_backend(config.attn_backend, self.device, self.dtype, heads,
+                                       kernels)
         # "varlen" (flash varlen over the packed prompts) or "dense" (cuDNN on CUDA over the
         # prompts right-padded to the longest one: rollout.attention.padded_causal_attention)
-        self.prefill_attention = resolve_prefill_attention(prefill_attention, self.device,
-                                                           self.dtype, heads)
+        self.prefill_attention = resolve_prefill_attention(config.prefill_attention,
+                                                           self.device, self.dtype, heads)
         self.cache: KVCache | None = None
         self.state: SlotState | None = None
         # sampler parameters: device tensors, so that one graph serves every value
@@ -105,11 +103,10 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         num_layers = len(self.model.layers)
         bpt = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
-        budget = None
-        if self.kv_cache_tokens is None and self.device.type == "cuda":
+        budget, c = None, self.config
+        if c.kv_cache_tokens is None and self.device.type == "cuda":
             budget = self._free_bytes_for_cache()
-        S = plan_num_slots(self.max_num_seqs, self.max_model_len, bpt, self.kv_cache_tokens,
-                           budget)
+        S = plan_num_slots(c.max_num_seqs, self.max_model_len, bpt, c.kv_cache_tokens, budget)
         L, dev = self.max_model_len, self.device
         self.cache = KVCache(num_layers, S, L, attn.num_kv_heads, attn.head_dim, self.dtype, dev)
         self.state = SlotState(S, L, dev)
@@ -146,22 +143,23 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        c = self.config
         with torch.no_grad():
-            T, L = self.max_prefill_tokens, self.max_model_len
+            T, L = c.max_prefill_tokens, self.max_model_len
             lens = [L] * (T // L) + ([T % L] if T % L else [])
             ids = torch.zeros(T, dtype=torch.long, device=self.device)
             packed = PackedInput.from_lengths(ids, lens)
             h = self.model(packed, attn_ctx=PrefillContext(None, 0, packed))
-            rows = h[:1].expand(self.max_num_seqs, -1)
+            rows = h[:1].expand(c.max_num_seqs, -1)
             worst = SamplingParams(temperature=0.5, top_p=0.5).mode(self.vocab_size)
-            u = torch.full((self.max_num_seqs,), 0.5, device=self.device)
+            u = torch.full((c.max_num_seqs,), 0.5, device=self.device)
             sample(self._logits(rows), worst, self.temperature, self.top_p, u,
                    self.kernel_settings)
             del h, rows
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         # 5% of the device for the graphs' pool, the allocator's fragmentation and NCCL
-        return int(self.gpu_memory_utilization * total - base - peak - 0.05 * total)
+        return int(c.gpu_memory_utilization * total - base - peak - 0.05 * total)
 
     # --- per generate call ------------------------------------------------------------------
     def begin(self, params: SamplingParams, num_seqs: int, max_gen: int) -> None:
