@@ -101,7 +101,7 @@ def test_generator_reports_compile_time_and_warns_after_the_first_step(capsys):
     """The trainer's per-step metrics (Generator.pop_metrics): timing_s/compile (0 when the step
     compiled nothing); one warning line on rank 0 for a compilation after the first step."""
     from types import SimpleNamespace
-    from hybridengine.rl.generation import Generator
+    from hybridengine.hybrid.generator import Generator
     torch._dynamo.reset()
     gen = Generator.__new__(Generator)
     gen.hybrid = SimpleNamespace(pop_metrics=dict)

@@ -81,7 +81,7 @@ def _stream_rank(rank, world, model_dir, bucket_mb):
     from hybridengine.models.hf import load_decoder
     from hybridengine.parallel.layout import Layout
     from hybridengine.parallel.mesh import build_mesh
-    from hybridengine.rollout.hf_stream import hf_weight_stream
+    from hybridengine.hybrid.hf_stream import hf_weight_stream
     mesh = build_mesh(Layout(tp=world))
     model = load_decoder(model_dir, mesh)
     stats = {}
@@ -140,7 +140,7 @@ def _generators(actor, gen_tp):
     from hybridengine.config.run import RunConfig
     from hybridengine.parallel.layout import GenLayout
     from hybridengine.parallel.mesh import build_gen_mesh
-    from hybridengine.rl.generation import Generator
+    from hybridengine.hybrid.generator import Generator
     tree = load_config(["actor_rollout_ref.model.path=m", "actor_rollout_ref.rollout.max_num_seqs=16",
                         "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
                         "actor_rollout_ref.rollout.enforce_eager=true"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -219,6 +220,7 @@ def bench_vllm(cfg: ModelConfig, model, prompts, args, dtype) -> dict:
     """The vLLM backend on the same weights and prompts (its engine start is not timed)."""
     import tempfile
     from transformers import AutoConfig
+    from hybridengine.hybrid.hf_stream import hf_weight_stream
     from hybridengine.rollout.vllm import VllmRollout
     max_len = args.prompt_len + args.new_tokens
     with tempfile.TemporaryDirectory() as model_dir:     # config.json only: weights come below
@@ -234,7 +236,8 @@ def bench_vllm(cfg: ModelConfig, model, prompts, args, dtype) -> dict:
         rollout = VllmRollout(model_dir, cfg, 1, dtype=dtype, max_model_len=max_len,
                               max_num_seqs=args.batch, enforce_eager=args.eager)
     try:
-        sync_s = rollout.update_weights(model)["weight_sync_s"]
+        sync_s = rollout.update_weights(functools.partial(hf_weight_stream, model, None, 256.0)
+                                        )["weight_sync_s"]
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, max_tokens=args.new_tokens, ignore_eos=True,
                                 seed=0)

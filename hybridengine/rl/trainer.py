@@ -1,6 +1,6 @@
 """The PPO / GRPO / DAPO trainer loop (SPMD: every rank runs it; ../shared/DESIGN.md "One PPO step").
 
-    1. switch → generation, rollout, switch → training   (rl.generation: HybridEngine + Engine)
+    1. switch → generation, rollout, switch → training   (hybrid.generator: HybridEngine + Engine)
     2. reward: rule / custom function on decoded text (DAPO: overlong penalty, dynamic sampling)
     3. old log-probs (actor), reference log-probs, values (critic): forward-only, packed
     4. advantages: GAE or group-relative; KL in the reward (controller) or in the loss
@@ -26,7 +26,7 @@ from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.console import RunFacts, header_lines
 from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, load_tokenizer
-from hybridengine.rl.generation import Generator
+from hybridengine.hybrid.generator import Generator
 from hybridengine.rl.checkpointing import RunCheckpoints
 from hybridengine.rl.guards import Phases, count_skipped_updates, inject_faults
 from hybridengine.rl.metrics import batch_metrics, perf_metrics, step_flops

@@ -1,7 +1,7 @@
 """The vLLM rollout backend: a vLLM engine colocated on the training ranks, fed by the HybridEngine.
 
     rollout = VllmRollout(model_dir, cfg, gen_tp=t_g, dtype=..., max_model_len=...)   # once
-    rollout.update_weights(gen_model, gen_mesh.gen_tp_group)   # every step, after to_generation
+    rollout.update_weights(weights, gen_mesh.gen_tp_group)     # every step, after to_generation
     results = rollout.generate(prompts, SamplingParams(...))   # -> [GenerationResult], as Engine
     rollout.free_cache()                                       # between phases (sleep on GPU)
 
@@ -13,13 +13,13 @@ method with the same arguments, as with the built-in engine.
 Weights. vLLM's loaders take checkpoint (Hugging Face) tensors, each rank's loader cutting its
 own TP slice out of the full tensor; the CPU backend also repacks linear weights after loading,
 so only `reload_weights(is_checkpoint_format=True)` (load + re-process, layer by layer) is right
-there. `hf_weight_stream` turns this rank's generation shard into HF tensors as vLLM consumes
-them (no state-dict copy). At gen-TP 1 they are views of the shard: no copy, no communication.
+there. `weights`, a WeightStream (the HybridEngine's hybrid.hf_stream over the generation
+shard), yields HF tensors as vLLM consumes them (no state-dict copy). At gen-TP 1 they are views of the shard: no copy, no communication.
 At gen-TP > 1 (weight_sync):
   handoff  each rank puts its shard into NaN-padded full-size tensors: exactly what its vLLM
            loader reads, no communication. Needs our gen-TP group to be vLLM's TP group rank for
            rank (consecutive ranks: t_g = t·p) and, for the vocabulary, the same row split.
-  gather   the shards are all-gathered over the gen-TP group in buckets of `bucket_mb` and
+  gather   the shards are all-gathered over the gen-TP group in buckets and
            reassembled into full tensors: any layout, (t_g−1)/t_g of the model received per rank,
            one bucket (t_g·bucket) in flight.
   auto     handoff where it applies (per tensor for the vocabulary), else gather. Measured on the
@@ -49,20 +49,24 @@ import os
 import random
 import time
 import weakref
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.models.decoder import ModelConfig
 from hybridengine.parallel.tensor import group_size
 from hybridengine.rollout.engine import GenerationResult, check_prompts
-from hybridengine.rollout.hf_stream import hf_weight_stream
 from hybridengine.rollout.sampling import SamplingParams, sequence_key
 
 log = logging.getLogger(__name__)
 
 WEIGHT_SYNC = ("auto", "gather", "handoff")
+# The weights of one update: called with (stats, handoff, vocab_rows) it yields (HF name, full
+# tensor) pairs; `handoff` and `vocab_rows` say what this rank's vLLM loader reads (module doc),
+# and stats["gathered_bytes"] counts what the stream all-gathered.
+WeightStream = Callable[[dict, bool, int], Iterator[tuple[str, torch.Tensor]]]
 # Set before vLLM is imported: the engine runs in this process; vLLM logs warnings only, to
 # stderr (stdout is the trainer's and the tools' JSON).
 _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -163,7 +167,7 @@ class VllmRollout:
     def __init__(self, model_dir, cfg: ModelConfig, gen_tp: int = 1, *, dtype: torch.dtype,
                  max_model_len: int, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
-                 bucket_mb: float = 256.0, seed: int = 0, weight_sync: str = "auto"):
+                 seed: int = 0, weight_sync: str = "auto"):
         ok, why = vllm_available()
         if not ok:
             raise ValueError(f"actor_rollout_ref.rollout.name=vllm: {why}; install it with "
@@ -177,7 +181,7 @@ class VllmRollout:
             current_platform.is_sleep_mode_available()
         for name in _QUIET_LOGGERS:         # a filter: vLLM's logging setup resets levels
             logging.getLogger(name).addFilter(_errors_only)
-        self.cfg, self.gen_tp, self.bucket_mb = cfg, gen_tp, bucket_mb
+        self.cfg, self.gen_tp = cfg, gen_tp
         self.weight_sync, self.max_model_len = weight_sync, max_model_len
         self.asleep, self._said_no_sleep, self.stats = False, False, {}
         # CPU: always eager; then nothing in vLLM goes through torch.compile (dynamo compiles no
@@ -201,9 +205,10 @@ class VllmRollout:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # --- weights ------------------------------------------------------------------------------
-    def update_weights(self, model: Decoder, group=None) -> dict:
-        """Load this replica's weights from a generation Decoder shard (gen-TP group `group`,
-        None for t_g = 1) and reset the prefix cache (its blocks hold the old weights' keys)."""
+    def update_weights(self, weights: WeightStream, group=None) -> dict:
+        """Load this replica's weights from `weights`, the stream of a generation shard over the
+        gen-TP group `group` (None for t_g = 1), and reset the prefix cache (its blocks hold the
+        old weights' keys)."""
         if group_size(group) != self.gen_tp:
             raise ValueError(f"generation shard of gen-TP {group_size(group)}, engine of "
                              f"{self.gen_tp}")
@@ -216,8 +221,7 @@ class VllmRollout:
             raise ValueError("weight_sync='handoff' needs the gen-TP group to be vLLM's TP group "
                              "(consecutive ranks in rank order)")
         with torch.no_grad(), _num_threads(self.num_threads):
-            stream = hf_weight_stream(model, group, self.bucket_mb, stats, handoff,
-                                      _vllm_vocab_rows(self.cfg.vocab_size, self.gen_tp))
+            stream = weights(stats, handoff, _vllm_vocab_rows(self.cfg.vocab_size, self.gen_tp))
             self.llm.collective_rpc("reload_weights", kwargs=dict(
                 weights_iterator=stream, is_checkpoint_format=True))
         if self.cfg.tie_word_embeddings:

@@ -17,6 +17,7 @@ warning line (rank 0) per compilation after the first step, with the guard that 
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hybridengine.compiling import CompileWatch
+from hybridengine.hybrid.hf_stream import hf_weight_stream
 from hybridengine.hybrid.reshard import HybridEngine
 from hybridengine.parallel.mesh import GenMesh
 from hybridengine.parallel.tensor import all_gather_dim0, all_reduce
@@ -93,8 +95,10 @@ class Generator:
                     self.actor.model_dir, self.actor.cfg, self.gen_mesh.gen_tp, dtype=self.dtype,
                     max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
                     gpu_memory_utilization=c.gpu_memory_utilization,
-                    enforce_eager=c.enforce_eager, bucket_mb=self.bucket_mb)
-            self.engine.update_weights(model, self.gen_mesh.gen_tp_group)
+                    enforce_eager=c.enforce_eager)
+            group = self.gen_mesh.gen_tp_group
+            self.engine.update_weights(
+                functools.partial(hf_weight_stream, model, group, self.bucket_mb), group)
         elif self.engine is None:
             cuda = dev.type == "cuda"
             # the run config's compile switches are booleans: inductor, on CUDA only
