@@ -68,6 +68,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     use_distributed_optimizer: bool = True
     bucket_mb: float = 40.0
+    host_step: bool = False         # fp32 master + Adam moments on the host, update on the CPU
 
 
 class TrainEngine:
@@ -113,7 +114,7 @@ class TrainEngine:
             self.mesh.tp_group, lr=schedule, betas=o.betas, eps=o.eps,
             weight_decay=o.weight_decay, grad_clip=o.grad_clip,
             use_distributed_optimizer=o.use_distributed_optimizer, bucket_mb=o.bucket_mb,
-            grad_reduce="sum", count_in_grad_norm=counted)
+            grad_reduce="sum", count_in_grad_norm=counted, host_step=o.host_step)
 
     # --- host offload -------------------------------------------------------------------------
     def _parts(self, part: str) -> HostParking:
@@ -124,8 +125,9 @@ class TrainEngine:
                                  f"{PARTS if opt is not None else PARTS[:1]}")
             tensors = {"params": lambda: self.model.parameters(),
                        "grads": lambda: [b.grad for b in opt.buckets],
-                       "optimizer": lambda: [t for b in opt.buckets
-                                             for t in (b.master, b.exp_avg, b.exp_avg_sq)]}[part]
+                       "optimizer": lambda: [] if opt.host_step else [   # already on host
+                           t for b in opt.buckets for t in (b.master, b.exp_avg, b.exp_avg_sq)]
+                       }[part]
             self._parking[part] = HostParking(tensors(), keep_values=part != "grads", name=part)
         return self._parking[part]
 

@@ -38,7 +38,8 @@ step()
     norm skips the update and returns stepped=False. The update is torch.optim.AdamW's (decoupled
     weight decay, bias correction), with no weight decay where no_decay(name, p) (default: 1-D
     parameters, i.e. biases and norm weights). Unused parameters get zero gradients (moments and
-    weight decay still apply), as in Megatron.
+    weight decay still apply), as in Megatron. With `host_step` master weights and moments live in
+    host memory and the update runs on the CPU, overlapped with the copies (host_step.py).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hybridengine.train.host_step import HostStep
 from hybridengine.train.lr_schedule import LRSchedule, first_error
 from hybridengine.parallel.tensor import (all_gather_flat, all_reduce, group_rank, group_size,
                                           reduce_scatter_dim0)
@@ -149,7 +151,7 @@ class DistributedOptimizer:
                  eps: float = 1e-8, weight_decay: float = 0.01, grad_clip: float | None = 1.0,
                  use_distributed_optimizer: bool = True, bucket_mb: float | None = 40.0,
                  grad_reduce: str = "sum", count_in_grad_norm: ParamFilter | None = None,
-                 no_decay: ParamFilter | None = None):
+                 no_decay: ParamFilter | None = None, host_step: bool = False):
         params = [(n, p) for n, p in params if p.requires_grad]
         _check_args(params, betas, eps, weight_decay, grad_reduce)
         self.schedule = lr if isinstance(lr, LRSchedule) else LRSchedule(float(lr))
@@ -167,8 +169,11 @@ class DistributedOptimizer:
                                       no_decay or default_no_decay)
         self._sp_params = [p for _, p in params if getattr(p, "sequence_parallel", False)]
         shard_rank = group_rank(dp_group) if self.zero else 0
+        self.host_step = HostStep(self) if host_step else None
         for b in self.buckets:
             self._init_bucket(b, num_shards, shard_rank)
+            if self.host_step is not None:
+                self.host_step.adopt(b)     # state to the host bucket by bucket
         self._hooks = [self._attach(b, e) for b in self.buckets for e in b.entries]
 
     # --- setup --------------------------------------------------------------------------------
@@ -277,17 +282,17 @@ class DistributedOptimizer:
                 for b in self.buckets:
                     b.shard_grad.mul_(coef)
         self.num_steps += 1
-        self._adamw(self.current_lr if lr is None else lr)
-        self.publish_params()
+        lr = self.current_lr if lr is None else lr
+        self.publish_params(self.host_step.step(lr) if self.host_step else self._adamw(lr))
         return norm, True
 
-    def _adamw(self, lr: float) -> None:
+    def _adamw(self, lr: float, buckets=None) -> None:
         # Same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path.
         beta1, beta2 = self.betas
         bias_correction1 = 1 - beta1 ** self.num_steps
         bias_correction2_sqrt = (1 - beta2 ** self.num_steps) ** 0.5
         step_size = lr / bias_correction1
-        for b in self.buckets:
+        for b in self.buckets if buckets is None else buckets:      # host_step: chunks
             if self.weight_decay != 0:
                 for v in b.decay_views:
                     v.mul_(1 - lr * self.weight_decay)
@@ -298,15 +303,17 @@ class DistributedOptimizer:
             b.master.addcdiv_(b.exp_avg, denom, value=-step_size)
 
     @torch.no_grad()
-    def publish_params(self) -> None:
-        """Write the master weights into the parameters (all-gather over DP under ZeRO-1), in the
-        parameters' dtype. Collective under ZeRO-1."""
-        for b in self.buckets:
+    def publish_params(self, shards: list[torch.Tensor] | None = None) -> None:
+        """Write the master weights (or `shards`, this rank's slices on the device) into the
+        parameters (all-gather over DP under ZeRO-1), in their dtype. Collective under ZeRO-1."""
+        if shards is None:
+            shards = self.host_step.stage() if self.host_step else [b.master for b in self.buckets]
+        for b, shard in zip(self.buckets, shards):
             dtype = b.entries[0].param.dtype
-            full = b.master     # without ZeRO the slice is the whole bucket
+            full = shard        # without ZeRO the slice is the whole bucket
             if self.zero:
-                full = torch.empty(b.numel, dtype=dtype, device=b.master.device)
-                all_gather_flat(full, b.master.to(dtype), self.dp_group)
+                full = torch.empty(b.numel, dtype=dtype, device=shard.device)
+                all_gather_flat(full, shard.to(dtype), self.dp_group)
             if full.dtype != dtype:
                 full = full.to(dtype)
             # One multi-tensor copy per bucket instead of a kernel launch per parameter.
