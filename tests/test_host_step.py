@@ -250,3 +250,38 @@ def test_cuda_host_step_close_to_device_step():
         if k.endswith(".master"):
             err = rel_err(out[True][k], out[False][k])
             assert err <= 1e-6, (k, err)
+
+
+# --- from the config: actor_rollout_ref.actor.megatron.optimizer_offload=host_step --------------
+
+def test_config_selects_the_host_step_and_a_run_trains_with_it(tmp_path):
+    from hybridengine.config import load_config
+    from hybridengine.rl.trainer import Trainer
+    root = Path(__file__).resolve().parent.parent
+    args = ["--config", str(root / "configs" / "tiny.yaml"),
+            f"data.train_files={root / 'data' / 'stories_keywords' / 'train.jsonl'}",
+            "data.val_files=null", f"actor_rollout_ref.model.path={root / 'models' / 'stories260k'}",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "data.max_response_length=8", "trainer.logger=[]", "trainer.total_training_steps=1",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.optim.weight_decay=0.1"]
+    with pytest.raises(ValueError, match=r"optimizer_offload=.hoststep.: expected true, false "
+                                          r"or host_step"):
+        load_config(args + ["actor_rollout_ref.actor.megatron.optimizer_offload=hoststep"])
+    weights = {}
+    for mode in ("false", "host_step"):
+        trainer = Trainer(load_config(args + [
+            f"actor_rollout_ref.actor.megatron.optimizer_offload={mode}",
+            f"trainer.default_local_dir={tmp_path / mode}"]))
+        opt = trainer.actor.engine.optimizer
+        assert (opt.host_step is not None) == (mode == "host_step")
+        assert "optimizer" not in trainer.residency.roles.get("actor", (None, ()))[1]
+        before = [p.detach().clone() for p in trainer.actor.engine.model.parameters()]
+        trainer.fit()
+        assert opt.num_steps == 1
+        weights[mode] = [p.detach().clone() for p in trainer.actor.engine.model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, weights["host_step"]))   # it stepped
+    assert all(torch.equal(a, b) for a, b in zip(weights["false"], weights["host_step"]))

@@ -40,6 +40,8 @@ _A, _R, _F = ACTOR, ROLLOUT, REF
 # every other key has the kind of its default value.
 SPECS: dict[str, tuple[str, bool]] = {
     "data.train_files": ("files", False),
+    **dict.fromkeys((_A + "megatron.optimizer_offload", "critic.megatron.optimizer_offload"),
+                    ("optimizer_offload", False)),
     "data.val_files": ("files", True),
     "custom_reward_function.weights": ("dict[str,float]", True),
     _A + "loss_scale_factor": ("float", True),
@@ -120,7 +122,8 @@ NEUTRAL_ONLY = {"ulysses_sequence_parallel_size": 1, "context_parallel_size": 1,
 
 _KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a string",
                "list[str]": "a list of strings", "list[float]": "a list of numbers",
-               "files": "a path or a list of paths", "dict[str,float]": "a mapping of names to numbers"}
+               "files": "a path or a list of paths", "dict[str,float]": "a mapping of names to numbers",
+               "optimizer_offload": "true, false or host_step"}
 # Keys whose value is a mapping with free keys: one leaf, not a config section.
 MAPPING_KEYS = frozenset(k for k, (kind, _) in SPECS.items() if kind.startswith("dict["))
 
@@ -357,6 +360,8 @@ def _coerce(value: Any, kind: str) -> Any:
         return value if isinstance(value, str) else (str(value) if is_number else None)
     if kind == "list[str]":
         return [value] if isinstance(value, str) else None
+    if kind == "optimizer_offload":       # false | true (park between phases) | host_step
+        return value if isinstance(value, bool) or value == "host_step" else None
     if kind == "files":
         ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
         return value if ok else None

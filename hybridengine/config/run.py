@@ -86,7 +86,7 @@ class MegatronSection(RefMegatronSection):
     """A trained role's: the reference's, and its optimizer's sharding and offload."""
     use_distributed_optimizer: bool
     grad_offload: bool
-    optimizer_offload: bool
+    optimizer_offload: bool | str         # false | true | "host_step"
 
 
 @_frozen

@@ -47,7 +47,8 @@ def offload_parts(megatron_cfg, has_optimizer: bool) -> tuple[str, ...]:
     """The parts a role's megatron config asks to offload (a role without an optimizer, the
     reference, only has params)."""
     parts = PARTS if has_optimizer else PARTS[:1]
-    return tuple(p for p in parts if getattr(megatron_cfg, OFFLOAD_FLAGS[p]))
+    # (optimizer_offload=host_step keeps the optimizer on the host for good: nothing to move)
+    return tuple(p for p in parts if getattr(megatron_cfg, OFFLOAD_FLAGS[p]) is True)
 
 
 class Residency:

@@ -26,7 +26,8 @@ def optim_config(optim: OptimSection, megatron: MegatronSection, grad_clip: floa
     return OptimConfig(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
                        grad_clip=grad_clip, warmup_steps=warmup, total_steps=total_steps,
                        schedule=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio or 0.0,
-                       use_distributed_optimizer=megatron.use_distributed_optimizer)
+                       use_distributed_optimizer=megatron.use_distributed_optimizer,
+                       host_step=megatron.optimizer_offload == "host_step")
 
 
 def policy_loss_config(actor: ActorConfig) -> PolicyLossConfig:
