@@ -1,7 +1,7 @@
 """Compilation stays bounded: the rollout's compiled steps (decode, its sampler bookkeeping,
 prefill) over a run-like sequence of generate calls, and the compiled training layers over
 packed micro-batches of varying length, compile the graphs documented in
-hybridengine/rollout/model_runner.py (and hybridengine/train/engine.py) at the first call and never
+hybridengine/rollout/compile_steps.py (and hybridengine/train/engine.py) at the first call and never
 again. On the CPU with aot_eager (dynamo's graphs and guards, no inductor); the gpu variant runs
 inductor in CUDA graphs. Also: hybridengine.compiling.CompileWatch (timing_s/compile and the
 late-compilation warning)."""
