@@ -90,7 +90,7 @@ class TrainEngine:
             compile_decoder_layers(self.model)
         self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
         # the two copies of a tied embedding (first and last stage) sum their gradients
-        tied = self.cfg.tie_word_embeddings and mesh.pp > 1 and not self.model.value_head
+        tied = self.cfg.tie_word_embeddings and mesh.pp > 1 and not value_head   # (every stage)
         self.embedding_group = mesh.embedding_group if tied else None
         self.optimizer = None
         if optim is not None:

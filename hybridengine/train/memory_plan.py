@@ -1,0 +1,321 @@
+"""Device bytes per rank of a whole run, planned from shapes before any weight loads (issue #23).
+
+    plan = plan_memory({"actor": RoleSpec(cfg, Layout(4, 1, 2)), ...}, RolloutSpec(4096),
+                       PHASE_USES, device_bytes)
+    print(plan.table())                    # GiB per role part (rows) and phase (columns)
+    fit_error(plan, device_bytes)          # train.memory_advice: None, or one line: what needs
+    kv_slots_short(plan, batch_sequences)  # how much, what fits; None, or: it runs in waves
+
+Pure arithmetic, so a run that cannot fit says so before it loads a byte. Exact (tested against
+the engines' allocations): weights (stage_params x param dtype); grads (the optimizer's fp32
+buckets by its arithmetic: reverse order, 64-element starts, bucket_mb splits, padded to dp·64,
+whole on every DP rank); master (fp32, this rank's 1/dp of each bucket under ZeRO-1); optimizer
+(Adam's two moments, the master's size each); kv_cache ((slots + 1)·max_model_len·layers·2·
+(kv_heads/t_g)·head_dim·dtype bytes, +1 the scratch row, slots by the runner's plan_num_slots);
+the reshard arena (each generation weight that is not this rank's training parameter of the
+same name, shape and dtype, 16-byte aligned; its gather buffers are an upper bound).
+Estimates (T tokens of a micro-batch, b param bytes, t = tp, s = t with sequence parallelism
+else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_dim):
+  a = 2H/s + 2H + (q + 2kv) + 2(q + kv) + q + 4I + 2d elements saved per layer and token: norm
+      inputs, the gathered inputs of qkv and gate_up (autograd keeps them; Megatron re-gathers),
+      qkv, rotated q/k and their swap, attention output, gate/up, silu(gate), their product,
+      cos/sin (CUDA's saved tensors; the CPU kernels save a little more)
+  training activations, stage r of p: (p - r) micro-batches in flight (1F1B) x layers·T·a·b;
+      with recomputation layers·T·(H/s)·b (layer inputs) + one rebuilt layer T·a·b
+  forward-only activations: one layer's working set T·(a + 2H/s)·b
+  logits (last stage, LM head): a vocabulary chunk of kernels/logprob.py (T x cols <= 2^28) and
+      the gathered [T, H] hidden; training adds fp32 grad_x [T, H] and the head's [V/t, H] grad
+  rollout: prefill T·max(2H + 4I, 2H + 2(q + 2kv) + q)·b at t_g (T = max_prefill_tokens),
+      sampling max_num_seqs x V logits (b + 3 fp32 copies), the slot state
+Not counted: per-parameter grads (one at a time), CUDA context, NCCL, fragmentation.
+
+Residency: a part (params, grads, optimizer = master + Adam) a role offloads is on the device
+only in the phases that use it (rl/residency.py PHASE_USES, passed in: rl/ is above train/).
+"reshard" is the gather (training weights + arena), "rollout" the generation (offloaded actor
+weights parked but those the generation model shares). Every rank's pipeline stages are
+planned; a phase shows its heaviest rank, `peak` the heaviest of all.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridengine.kernels.logprob import _chunks
+from hybridengine.models.decoder import ModelConfig, stage_layers
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.tensor import padded_vocab_size
+from hybridengine.rollout.kv_cache import plan_num_slots
+from hybridengine.train.engine import PARTS
+from hybridengine.train.optimizer import _ALIGN as GRAD_ALIGN
+
+GiB, ARENA_ALIGN_BYTES = 2 ** 30, 16    # hybrid/program.py ALIGN_BYTES (hybrid/ is above train/)
+PHASES = ("reshard", "rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor")
+# phase -> (the role computing in it, training or forward-only)
+COMPUTE = {"old_log_prob": ("actor", False), "ref": ("ref", False), "values": ("critic", False),
+           "update_critic": ("critic", True), "update_actor": ("actor", True)}
+FIELDS = {"params": ("weights",), "grads": ("grads",), "optimizer": ("master", "optimizer")}
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role. train_tokens: a training micro-batch (ppo_max_token_len_per_gpu with dynamic
+    bsz, else micro-batch size x sequence length); forward_tokens: a forward-only one
+    (log_prob / forward_max_token_len_per_gpu; None: train_tokens)."""
+
+    cfg: ModelConfig
+    layout: Layout
+    dtype: torch.dtype = torch.bfloat16
+    trained: bool = True                    # has an optimizer (actor, critic; not ref)
+    value_head: bool = False                # critic
+    use_distributed_optimizer: bool = True
+    bucket_mb: float = 40.0
+    offload: tuple[str, ...] = ()           # of PARTS
+    recompute: bool = False
+    train_tokens: int = 16384
+    forward_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The actor's generation side: RolloutConfig's budget and the HybridEngine's settings."""
+
+    max_model_len: int
+    gen_tp: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    max_num_seqs: int = 256
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_prefill_tokens: int = 16384
+    reshard_bucket_mb: float = 256.0
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """One role on one rank, bytes; activations / logits: a training micro-batch, fwd_*: a
+    forward-only one."""
+
+    weights: int
+    grads: int = 0
+    master: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    logits: int = 0
+    fwd_activations: int = 0
+    fwd_logits: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """phases: phase -> {"role.part": bytes} of the phase's heaviest rank; roles: RoleMemory on
+    the peak's rank; kv_slots: cache rows for sequences (0: none fits), kv_limit: what capped
+    them (max_num_seqs | kv_cache_tokens | memory); reshard: arena + buffers, heaviest rank."""
+
+    phases: dict[str, dict[str, int]]
+    roles: dict[str, RoleMemory]
+    kv_cache: int
+    kv_slots: int
+    kv_limit: str
+    reshard: int
+    inputs: tuple = field(repr=False, default=())   # plan_memory's arguments, to re-plan
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> int:
+        return self.total(self.peak_phase) if self.phases else 0
+
+    def table(self) -> str:
+        """Fixed width: a row per role part, a column per phase (GiB), a total row."""
+        ph = self.phases
+        keys = {k for p in ph.values() for k in p}
+        rows = [k for k in (f"{r}.{f}" for r in (*self.roles, "rollout") for f in (
+            *RoleMemory.__dataclass_fields__, "kv_cache", "reshard")) if k in keys]
+        width, cols = max(map(len, rows + ["total"])), [max(len(p), 7) for p in ph]
+
+        def line(name, cells):
+            return " ".join([name.ljust(width)] + [c.rjust(w) for c, w in zip(cells, cols)])
+        cells = [[f"{ph[p][r] / GiB:.2f}" if r in ph[p] else "-" for p in ph] for r in rows]
+        return "\n".join([line("GiB", list(ph))] + [line(r, c) for r, c in zip(rows, cells)]
+                         + [line("total", [f"{self.total(p) / GiB:.2f}" for p in ph])])
+
+
+# --- one rank --------------------------------------------------------------------------------
+
+def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
+                 value_head: bool = False, vocab_rows: int | None = None):
+    """[(name, shape)] of one rank's Decoder shard in named_parameters() order, layer names with
+    the global layer index. vocab_rows: rows of a vocabulary shard (default the tp-padded split;
+    a generation shard keeps the training padding, hybrid/plan.py)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
+    qkv, q = (cfg.num_heads + 2 * cfg.num_kv_heads) * d // tp, cfg.num_heads * d // tp
+    rows = vocab_rows or padded_vocab_size(cfg.vocab_size, tp) // tp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out = [("embed_tokens.weight", (rows, h))] if first else []
+    for layer in range(*stage_layers(cfg.num_layers, pp, pp_rank)):
+        n = f"layers.{layer}."
+        out += [(n + "input_layernorm.weight", (h,)), (n + "self_attn.qkv_proj.weight", (qkv, h))]
+        out += [(n + "self_attn.qkv_proj.bias", (qkv,))] if cfg.attention_bias else []
+        out += [(n + "self_attn.o_proj.weight", (h, q)), (n + "post_attention_layernorm.weight",
+                (h,)), (n + "mlp.gate_up_proj.weight", (2 * i, h)), (n + "mlp.down_proj.weight",
+                                                                     (h, i))]
+    if last:
+        out.append(("norm.weight", (h,)))
+        if value_head:
+            out += [("value_head.weight", (1, h)), ("value_head.bias", (1,))]
+        elif not (cfg.tie_word_embeddings and first):
+            out.append(("lm_head.weight", (rows, h)))
+    return out
+
+
+def grad_buckets(numels: list[int], bucket_mb: float | None, num_shards: int) -> list[int]:
+    """Padded element counts of DistributedOptimizer's buckets (optimizer._build_buckets, for
+    parameters of one dtype and device)."""
+    max_numel = int(bucket_mb * 2**20 / 4) if bucket_mb and bucket_mb > 0 else None
+    sizes, size = [], 0
+    for n in reversed(numels):
+        start = -(-size // GRAD_ALIGN) * GRAD_ALIGN
+        if not sizes or (max_numel is not None and size > 0 and start + n > max_numel):
+            sizes, start = sizes + [0], 0
+        size = sizes[-1] = start + n
+    unit = num_shards * GRAD_ALIGN
+    return [-(-s // unit) * unit for s in sizes]
+
+
+def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool) -> float:
+    """a: elements per token one decoder layer saves for backward (module docstring)."""
+    h, d, s = cfg.hidden_size, cfg.head_dim, tp if sp else 1
+    q, kv, i = cfg.num_heads * d / tp, cfg.num_kv_heads * d / tp, cfg.intermediate_size / tp
+    return 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d
+
+
+def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
+    """Bytes of one role on a rank of pipeline stage `pp_rank`."""
+    cfg, lay, b, h = spec.cfg, spec.layout, spec.dtype.itemsize, spec.cfg.hidden_size
+    numels = [math.prod(s) for _, s in stage_params(cfg, lay.tp, lay.pp, pp_rank,
+                                                    spec.value_head)]
+    grads = master = 0
+    if spec.trained:
+        shards = lay.dp if spec.use_distributed_optimizer else 1
+        buckets = grad_buckets(numels, spec.bucket_mb, shards)
+        g = torch.promote_types(spec.dtype, torch.float32).itemsize
+        grads, master = sum(buckets) * g, sum(buckets) // shards * g
+    s = lay.tp if lay.sequence_parallel else 1
+    a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel)
+    layers = len(range(*stage_layers(cfg.num_layers, lay.pp, pp_rank)))
+    T, Tf = spec.train_tokens, spec.forward_tokens or spec.train_tokens
+    act = (lay.pp - pp_rank) * layers * T * (h / s if spec.recompute else a) * b \
+        + (T * a * b if spec.recompute else 0)
+    logits = fwd_logits = 0
+    if pp_rank == lay.pp - 1 and not spec.value_head:
+        v = padded_vocab_size(cfg.vocab_size, lay.tp) // lay.tp
+
+        def chunk(t):           # the kernel's own column chunks, and the gathered hidden
+            return t * max(e - a for a, e, _ in _chunks(v, 0, v, t, None)) * b + t * h * b
+        logits, fwd_logits = chunk(T) + T * h * 4 + v * h * b, chunk(Tf)
+    return RoleMemory(sum(numels) * b, grads, master, 2 * master, int(act), logits,
+                      int(Tf * (a + 2 * h / s) * b), fwd_logits)
+
+
+def reshard_memory(actor: RoleSpec, g: RolloutSpec, pp_rank: int) -> tuple[int, int, int]:
+    """(arena, gather buffers, training weights the generation model shares) in bytes on a rank
+    of actor stage `pp_rank` (hybrid/plan.py, program.py; zero_redundancy mode: the naive
+    baseline also holds the full model)."""
+    cfg, lay, e = actor.cfg, actor.layout, g.dtype.itemsize
+    gen = stage_params(cfg, g.gen_tp,
+                       vocab_rows=padded_vocab_size(cfg.vocab_size, lay.tp) // g.gen_tp)
+    mine = dict(stage_params(cfg, lay.tp, lay.pp, pp_rank)) if actor.dtype == g.dtype else {}
+    if lay.pp > 1 and cfg.tie_word_embeddings:
+        mine.pop("lm_head.weight", None)     # the last stage's copy is never read
+    align = max(1, ARENA_ALIGN_BYTES // e)
+    padded = lambda shape: -(-math.prod(shape) // align) * align     # noqa: E731
+    arena = sum(padded(s) for n, s in gen if mine.get(n) != s)
+    shared = sum(math.prod(s) for n, s in gen if mine.get(n) == s)
+    members, buffers = lay.tp // g.gen_tp * lay.pp, 0
+    if members > 1 and arena:               # two rotating buffers of one bucket at most
+        cap = max(1, int(g.reshard_bucket_mb * 2**20) // e // members)
+        per_member = -(-arena // members)
+        buffers = (1 if per_member <= cap else 2) * members * min(cap, per_member)
+    return arena * e, buffers * e, shared * actor.dtype.itemsize
+
+
+def rollout_fixed(actor: RoleSpec, g: RolloutSpec) -> tuple[int, int]:
+    """(KV bytes per token at t_g, the prefill + sampling working set)."""
+    cfg, b, t = actor.cfg, g.dtype.itemsize, g.gen_tp
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size / t
+    q, kv = cfg.num_heads * d / t, cfg.num_kv_heads * d / t
+    prefill = g.max_prefill_tokens * max(2 * h + 4 * i, 2 * h + 2 * (q + 2 * kv) + q) * b
+    sampling = g.max_num_seqs * padded_vocab_size(cfg.vocab_size, actor.layout.tp) * (b + 12)
+    return int(2 * cfg.num_layers * kv * b), int(prefill + sampling)
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+def _phase(phase, roles, mems, stages, uses, gen, rs) -> dict[str, int]:
+    """{"role.part": bytes} resident on one rank (its stage per role) in `phase`."""
+    out, compute = {}, COMPUTE.get(phase)
+    for r, spec in roles.items():
+        mem = mems[r, stages[r]]
+        for part in (PARTS if spec.trained else PARTS[:1]):
+            if part not in spec.offload or part in uses.get(r, ()):
+                out.update({f"{r}.{f}": getattr(mem, f) for f in FIELDS[part]})
+        if compute and compute[0] == r:
+            fwd = "" if compute[1] else "fwd_"
+            out.update({f"{r}.{f}": getattr(mem, fwd + f) for f in ("activations", "logits")})
+    if gen is not None and phase == "rollout" and "params" in roles["actor"].offload:
+        out["actor.weights"] = rs[2]        # parked, except what the generation model uses
+    if gen is not None and phase in ("reshard", "rollout"):
+        out["rollout.reshard"] = rs[0] + rs[1]
+    return out
+
+
+def plan_memory(roles: Mapping[str, RoleSpec], rollout: RolloutSpec | None,
+                phase_uses: Mapping[str, Mapping[str, tuple[str, ...]]],
+                device_bytes: int | None = None) -> MemoryPlan:
+    """The plan of a run (module docstring). roles: "actor" / "ref" / "critic" -> RoleSpec, on
+    one world; rollout: None without generation (else needs an actor); phase_uses:
+    rl.residency.PHASE_USES; device_bytes: sizes the KV cache by gpu_memory_utilization when
+    kv_cache_tokens is None (None: max_num_seqs rows, as on the CPU)."""
+    roles, world = dict(roles), next(iter(roles.values())).layout.world_size
+    mems = {(r, st): role_memory(s, st) for r, s in roles.items() for st in range(s.layout.pp)}
+    combos = sorted({tuple(s.layout.coords(rank)[0] for s in roles.values())
+                     for rank in range(world)})
+    phases = [p for p in PHASES if COMPUTE.get(p, ("actor",))[0] in roles
+              and (p in COMPUTE or rollout is not None)]
+    per_rank, resh = [], {}
+    for combo in combos:
+        stages = dict(zip(roles, combo))
+        rs = None if rollout is None else resh.setdefault(
+            stages["actor"], reshard_memory(roles["actor"], rollout, stages["actor"]))
+        per_rank.append((combo, {p: _phase(p, roles, mems, stages, phase_uses.get(
+            "rollout" if p == "reshard" else p, {}), rollout, rs) for p in phases}))
+    kv_cache, slots, limit, g = 0, 0, "max_num_seqs", rollout
+    if g is not None:
+        (bpt, work), L, budget = rollout_fixed(roles["actor"], g), g.max_model_len, None
+        if g.kv_cache_tokens is None and device_bytes is not None:
+            used = max(sum(out["rollout"].values()) for _, out in per_rank)
+            budget = int(g.gpu_memory_utilization * device_bytes - used - work)
+        try:
+            slots = plan_num_slots(g.max_num_seqs, L, bpt, g.kv_cache_tokens, budget)
+        except ValueError:                  # the runner refuses: no sequence fits
+            slots = 0
+        limit = "max_num_seqs" if slots == g.max_num_seqs else \
+            "kv_cache_tokens" if g.kv_cache_tokens else "memory"
+        kv_cache, state = (slots + 1) * L * bpt if slots else 0, (slots + 1) * ((L + 1) * 16 + 41)
+        for _, out in per_rank:             # state: rollout/slot_state.py's per-slot tensors
+            out["rollout"].update({"rollout.kv_cache": kv_cache,
+                                   "rollout.activations": work + state})
+    heaviest = {p: max(per_rank, key=lambda co: sum(co[1][p].values())) for p in phases}
+    plan_phases = {p: {k: v for k, v in heaviest[p][1][p].items() if v} for p in phases}
+    peak = max(phases, key=lambda p: sum(plan_phases[p].values())) if phases else None
+    combo = heaviest[peak][0] if peak else combos[0]
+    return MemoryPlan(plan_phases, {r: mems[r, st] for r, st in zip(roles, combo)}, kv_cache,
+                      slots, limit, max((a + b for a, b, _ in resh.values()), default=0),
+                      (roles, rollout, dict(phase_uses), device_bytes))
