@@ -5,7 +5,9 @@ suggestions re-planned."""
 import dataclasses
 import json
 import math
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +310,29 @@ def test_offloaded_actor_weights_during_generation_are_the_shared_ones():
         during = plan.phases["rollout"].get("actor.weights", 0)
         assert during == weights if shared_all else 0 < during < weights / 1000
         assert ("rollout.reshard" in plan.phases["rollout"]) != shared_all
+
+
+# --- in a run: preflight refuses what cannot fit, the trainer prints the plan ---------------------
+
+def test_a_run_that_cannot_fit_its_device_budget_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "launch" / "ppo.py"), "trainer.total_training_steps=1",
+           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+           "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "HYBRIDENGINE_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    small = subprocess.run(cmd + ["trainer.device_memory_gb=0.01"], capture_output=True, text=True,
+                           env=env, timeout=300)
+    errors = [ln for ln in small.stderr.splitlines() if ln.startswith("error: ")]
+    assert small.returncode == 2, small.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: memory plan: update_actor needs "), \
+        small.stderr[-2000:]
+    assert "but the device has 0.01 GiB" in errors[0]
+    assert not (tmp_path / "run").exists()               # refused before anything was written
+    ok = subprocess.run(cmd + ["trainer.device_memory_gb=4"], capture_output=True, text=True,
+                        env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "memory plan (GiB per rank, the heaviest rank of each phase, device budget 4.0 GiB)" \
+        in ok.stdout
+    assert "actor.optimizer" in ok.stdout and "rollout.kv_cache" in ok.stdout

@@ -270,6 +270,7 @@ class TrainerConfig:
     seed: int
     device: str
     collective_timeout_s: float
+    device_memory_gb: float | None
     nan_policy: str
     critic_warmup: int
     hybrid_engine: HybridEngineSection

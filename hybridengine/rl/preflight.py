@@ -7,7 +7,9 @@ out together, one line each (launch/ppo.py prints them, exit 2):
 - each model path: what it is when it is not an HF directory with a readable config.json (no
   such directory, a hub id, a file, broken JSON) before the tokenizer looks in it, and prompt +
   response within its context (verl's rollout refuses a longer max_model_len too; positions past
-  max_position_embeddings were never trained).
+  max_position_embeddings were never trained);
+- the memory plan (rl.memory): a run that cannot fit its device budget says so in one line, with
+  the settings that would fit.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from hybridengine.config import ConfigError, uses_critic, validate_config
 from hybridengine.config.run import RunConfig
 from hybridengine.models.hf import read_model_config
 from hybridengine.parallel.layout import RunLayout
+from hybridengine.rl.memory import memory_errors
 from hybridengine.rl.tracking import check_backends
 
 
@@ -41,19 +44,34 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
     paths = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
     if uses_critic(cfg) and cfg.critic.model.path != paths[0][1]:
         paths.append(("critic.model.path", cfg.critic.model.path))
+    models = {}
     for key, path in paths:
         if path is None:
             continue                             # validate_config said so
         try:
-            context = read_model_config(path).max_position_embeddings
+            models[key] = read_model_config(path)
         except (ValueError, FileNotFoundError) as e:
             errors.append(f"{key}: {e}")
             continue
+        context = models[key].max_position_embeddings
         if d.max_prompt_length + d.max_response_length > context:
             errors.append(f"data.max_prompt_length + data.max_response_length = "
                           f"{d.max_prompt_length}+{d.max_response_length} exceeds the context "
                           f"of {key}={path} (max_position_embeddings={context})")
+    if not errors:                  # the memory plan needs a sound config and the model shapes
+        actor = models["actor_rollout_ref.model.path"]
+        errors += memory_errors(cfg, layout, actor, models.get("critic.model.path", actor),
+                                run_device(cfg))
     return layout, errors
+
+
+def run_device(cfg) -> torch.device:
+    """trainer.device: auto is this rank's GPU where there is one, else the CPU."""
+    want = cfg.trainer.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want, torch.cuda.current_device()) if want == "cuda" \
+        else torch.device(want)
 
 
 def checked_layout(cfg, world_size: int) -> RunLayout:

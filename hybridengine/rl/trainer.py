@@ -37,16 +37,9 @@ from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
 from hybridengine.rl.rollout import RolloutCollector
 from hybridengine.rl.run_dir import claim_run_dir
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
-from hybridengine.rl.preflight import checked_run_config
+from hybridengine.rl.memory import memory_report, param_dtype
+from hybridengine.rl.preflight import checked_run_config, run_device
 from hybridengine.rl.tracking import Tracker, timer
-
-
-def _device(cfg) -> torch.device:
-    want = cfg.trainer.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(want, torch.cuda.current_device()) if want == "cuda" \
-        else torch.device(want)
 
 
 def scoring_temperature(rollout_cfg) -> float:
@@ -55,11 +48,6 @@ def scoring_temperature(rollout_cfg) -> float:
     whose tokens have no temperature."""
     t = float(rollout_cfg.temperature)
     return t if rollout_cfg.do_sample and t > 0 else 1.0
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    # bf16 only where it is fast and intended: CPU runs (tests, the default job) stay fp32.
-    return torch.float32 if device.type == "cpu" or name == "float32" else torch.bfloat16
 
 
 class Trainer:
@@ -77,7 +65,7 @@ class Trainer:
                              f"asks for {cfg.layout}")
         self.cfg, self.meshes, self.layout = cfg, meshes, cfg.layout
         self.rank, self.world = meshes.rank, meshes.world_size
-        self.device = _device(cfg)
+        self.device = run_device(cfg)
         self.root = Path(cfg.trainer.default_local_dir)
         t = cfg.trainer
         # before anything loads: a second run on this directory, or a fresh start over an
@@ -122,7 +110,7 @@ class Trainer:
         cfg, lay, meshes = self.cfg, self.layout, self.meshes
         arr = cfg.actor_rollout_ref
         a_meg = arr.actor.megatron
-        dtype = _dtype(a_meg.param_dtype, self.device)
+        dtype = param_dtype(a_meg.param_dtype, self.device)
         compile_lm = bool(arr.actor.use_torch_compile)
         # verl scores old / ref / current log-probs (and the entropy) at the rollout temperature,
         # so the ratio and the KL are those of the policy that sampled
@@ -148,7 +136,7 @@ class Trainer:
                 c.model.path, meshes.critic, value_head=True,
                 compile_layers=bool(c.use_torch_compile),
                 recompute=bool(c.model.enable_gradient_checkpointing),
-                dtype=_dtype(c.megatron.param_dtype, self.device), device=self.device,
+                dtype=param_dtype(c.megatron.param_dtype, self.device), device=self.device,
                 sequence_parallel=lay.critic.sequence_parallel,
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
@@ -161,7 +149,7 @@ class Trainer:
         r, h = arr.rollout, cfg.trainer.hybrid_engine
         self.generator = Generator(actor_engine, meshes.gen, r,
                                    h.reshard_mode, h.reshard_bucket_mb,
-                                   _dtype(r.dtype, self.device),
+                                   param_dtype(r.dtype, self.device),
                                    cfg.data.max_prompt_length + cfg.data.max_response_length,
                                    residency=self.residency,
                                    direct_min_mb=h.reshard_direct_min_mb)
@@ -304,6 +292,9 @@ class Trainer:
             start = self.resume()
         if self.rank == 0:
             print("\n".join(header_lines(RunFacts.of(self, start))), flush=True)
+            critic = self.critic.engine.cfg if self.critic is not None else None
+            print("\n".join(memory_report(self.cfg, self.layout, self.actor.engine.cfg, critic,
+                                           self.device)), flush=True)
         tracker = Tracker(t.logger, self.root, t.project_name, t.experiment_name, self.rank,
                           resume_step=start if start else None, total_steps=self.total_steps)
         last_val = {}
