@@ -50,6 +50,7 @@ from hybridengine.hybrid.buckets import Block, Transfer, as_2d, bucket
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import VOCAB_PARAMS, Piece, param_plan
 from hybridengine.parallel.layout import GenLayout, Layout
+from hybridengine.parallel.tensor import padded_vocab_size
 
 MODES = ("zero_redundancy", "naive")
 
@@ -139,7 +140,7 @@ def shard_slots(cfg: ModelConfig, tp: int, tp_rank: int, pp: int = 1, pp_rank: i
     for name, full in params:
         if name in VOCAB_PARAMS:
             base = vocab_tp or tp
-            k, rows = base // tp, -(-cfg.vocab_size // base)
+            k, rows = base // tp, padded_vocab_size(cfg.vocab_size, base) // base
             first = tp_rank * k * rows
             pieces = [(pc, pc.start - first) for a in range(tp_rank * k, (tp_rank + 1) * k)
                       for pc in param_plan(name, cfg, base, a)]
