@@ -50,7 +50,7 @@ class ModelSection:
 
 
 @_frozen
-class PolicyLossConfig:
+class PolicyLossSection:
     loss_mode: str
     clip_cov_ratio: float
     clip_cov_lb: float
@@ -104,7 +104,7 @@ class ActorConfig:
     clip_ratio_c: float
     loss_agg_mode: str
     loss_scale_factor: float | None
-    policy_loss: PolicyLossConfig
+    policy_loss: PolicyLossSection
     entropy_coeff: float
     use_kl_loss: bool
     kl_loss_coef: float
