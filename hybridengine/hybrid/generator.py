@@ -38,6 +38,12 @@ from hybridengine.rollout.vllm import (VllmRollout, check_model as check_vllm_mo
 BACKENDS = ("builtin", "vllm")
 
 
+def max_prefill_tokens(max_model_len: int) -> int:
+    """Tokens of one prefill step of the built-in engine: a whole prompt in one step, and 16k at
+    least so that many prompts share a step."""
+    return max(16384, max_model_len)
+
+
 @dataclass
 class Generated:
     response_ids: list[list[int]]      # prompt-major: prompt i, sample j at i*n + j
@@ -56,11 +62,8 @@ class Generator:
     def __init__(self, actor_engine, gen_mesh: GenMesh, rollout_cfg, reshard_mode: str,
                  bucket_mb: float, dtype: torch.dtype, max_model_len: int,
                  residency=None, direct_min_mb: float | None = 4.0):
-        self.actor, self.mesh = actor_engine, actor_engine.mesh
-        if gen_mesh.gen_layout.train.shape != self.mesh.layout.shape:
-            raise ValueError(f"the generation layout {gen_mesh.gen_layout} is not the actor's "
-                             f"{self.mesh.layout}")
-        self.gen_mesh = gen_mesh
+        self.actor, self.mesh, self.gen_mesh = actor_engine, actor_engine.mesh, gen_mesh
+        # (HybridEngine refuses a gen_mesh that is not of the actor's layout)
         self.hybrid = HybridEngine(actor_engine.cfg, self.mesh, self.gen_mesh, mode=reshard_mode,
                                    bucket_mb=bucket_mb, dtype=dtype,
                                    direct_min_mb=direct_min_mb)
@@ -107,7 +110,7 @@ class Generator:
                 for on in (c.compile, c.compile_prefill))
             config = RolloutConfig(max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len,
                                    gpu_memory_utilization=c.gpu_memory_utilization,
-                                   max_prefill_tokens=max(16384, self.max_model_len),
+                                   max_prefill_tokens=max_prefill_tokens(self.max_model_len),
                                    enforce_eager=c.enforce_eager or not cuda,
                                    compile=compile_decode, compile_prefill=compile_prefill,
                                    attn_backend=c.attn_backend,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hybridengine.config import uses_critic, uses_reference
+from hybridengine.hybrid.generator import max_prefill_tokens
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.rl.residency import PHASE_USES, offload_parts
 from hybridengine.train.memory_advice import fit_error, kv_slots_short
@@ -36,6 +37,14 @@ def _tokens(dynamic: bool, max_tokens: int, micro: int | None, seq_len: int) -> 
     return max_tokens if dynamic or micro is None else micro * seq_len
 
 
+def _trained_offload(megatron) -> tuple[str, ...]:
+    """A trained role's offloaded parts. optimizer_offload=host_step counts as offloaded (on the
+    device in no phase but the update's, where only its staging buffers are: an over-estimate
+    there)."""
+    host_step = ("optimizer",) if megatron.optimizer_offload == "host_step" else ()
+    return offload_parts(megatron, True) + host_step
+
+
 def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
                     device: torch.device, device_bytes: int | None) -> MemoryPlan:
     """The plan of a loaded config tree or RunConfig (same key paths) on `layout` (RunLayout)."""
@@ -45,10 +54,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
     roles = {"actor": RoleSpec(
         actor_model, layout.actor, param_dtype(a.megatron.param_dtype, device),
         use_distributed_optimizer=a.megatron.use_distributed_optimizer,
-        # optimizer_offload=host_step: counted as offloaded (on the device in no phase but the
-        # update's, where only its staging buffers are: an over-estimate there)
-        offload=offload_parts(a.megatron, True) + (
-            ("optimizer",) if a.megatron.optimizer_offload == "host_step" else ()),
+        offload=_trained_offload(a.megatron),
         recompute=arr.model.enable_gradient_checkpointing,
         train_tokens=_tokens(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
                              a.ppo_micro_batch_size_per_gpu, seq),
@@ -66,15 +72,14 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
         roles["critic"] = RoleSpec(
             critic_model or actor_model, layout.critic, param_dtype(c.megatron.param_dtype, device),
             value_head=True, use_distributed_optimizer=c.megatron.use_distributed_optimizer,
-            offload=offload_parts(c.megatron, True) + (
-                ("optimizer",) if c.megatron.optimizer_offload == "host_step" else ()),
+            offload=_trained_offload(c.megatron),
             recompute=c.model.enable_gradient_checkpointing,
             train_tokens=_tokens(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu,
                                  c.ppo_micro_batch_size_per_gpu, seq),
             forward_tokens=_tokens(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
                                    c.forward_micro_batch_size_per_gpu, seq))
     rollout = RolloutSpec(seq, layout.rollout.tp, param_dtype(r.dtype, device), r.max_num_seqs,
-                          None, r.gpu_memory_utilization, max(16384, seq),
+                          None, r.gpu_memory_utilization, max_prefill_tokens(seq),
                           cfg.trainer.hybrid_engine.reshard_bucket_mb)
     return plan_memory(roles, rollout, PHASE_USES, device_bytes)
 
