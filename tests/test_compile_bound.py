@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hybridengine.compiling import CompileWatch, compile_fn
+from hybridengine.compiling import CompileWatch, _records, _runtime, compile_fn, describe
 from hybridengine.models.hf import load_decoder
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.model_runner import MAX_COMPILED_GRAPHS
@@ -183,4 +183,5 @@ def test_rollout_compiles_a_bounded_set_of_graphs_on_cuda():
     # 16 stop tokens of 1000: about a third of the random model's responses stop early
     first, last, late, _ = _run(engine, _calls(SMALL.vocab_size, stop=tuple(range(3, 19))))
     assert engine.runner.use_graphs and engine.runner.prefill_compiled
-    assert first == last <= MAX_COMPILED_GRAPHS and late == [], (first, last, late)
+    compiled = [describe(r) for r in _records() if not _runtime(r)]
+    assert first == last <= MAX_COMPILED_GRAPHS and late == [], (first, last, late, compiled)

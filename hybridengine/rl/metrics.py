@@ -5,7 +5,6 @@ import time
 
 import torch
 
-from hybridengine.rl.advantages import masked_mean
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.flops import decoder_flops
 
@@ -15,6 +14,26 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
         return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
     return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(),
             f"{prefix}/min": x.min().item()}
+
+
+def rollout_probs_diff(rollout_logprob: torch.Tensor, old_logprob: torch.Tensor,
+                       valid: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's token probabilities are from the trainer's (numerics, bf16
+    drift), as verl's calculate_debug_metrics defines them: |p_rollout - p_train| over the
+    response tokens, in probability space (verl's FAQ: a mean below 0.005 is normal, above 0.01
+    a precision problem of the inference engine), and the two probabilities' Pearson
+    correlation."""
+    if not valid.any():
+        return {}
+    p_rollout, p_train = rollout_logprob[valid].double().exp(), old_logprob[valid].double().exp()
+    diff = (p_rollout - p_train).abs()
+    out = {"training/rollout_probs_diff_max": diff.max().item(),
+           "training/rollout_probs_diff_mean": diff.mean().item(),
+           "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0}
+    if diff.numel() > 1:
+        out["training/rollout_actor_probs_pearson_corr"] = \
+            torch.corrcoef(torch.stack([p_train, p_rollout]))[0, 1].item()
+    return out
 
 
 def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
@@ -39,10 +58,7 @@ def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
     # NaN: the backend does not report the sampling distribution's log-probs (vLLM at T != 1)
     if "rollout_logprob" in t and "old_logprob" in t and \
             not t["rollout_logprob"][valid].isnan().any():
-        # How far the rollout engine's log-probs are from the trainer's (numerics, bf16 drift).
-        diff = (t["rollout_logprob"] - t["old_logprob"]).abs()
-        out["training/rollout_probs_diff_max"] = diff[valid].max().item() if valid.any() else 0.0
-        out["training/rollout_probs_diff_mean"] = masked_mean(diff, mask).item()
+        out.update(rollout_probs_diff(t["rollout_logprob"], t["old_logprob"], valid))
     return out
 
 
