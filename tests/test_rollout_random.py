@@ -323,19 +323,19 @@ def test_random_rollouts_gpu(heads):
 @pytest.mark.parametrize("heads", HEADS[:2], ids=lambda h: "x".join(map(str, h)))
 def test_random_rollouts_gpu_pdl_changes_no_bit(heads):
     """Programmatic dependent launch on and off (the fused decode attention and, compiled,
-    inductor's kernels): the same tokens and log-probs bit for bit, eager, in graphs and
-    compiled, bf16, every decode size. Compiled, each setting is its own compilation, and
-    inductor times a reduction kernel's launch settings at its first launch and keeps the
-    fastest, which may sum in another order (one log-prob 5.7e-4 apart, H200, 2026-12-01):
-    so the compiled runs are made under inductor's deterministic mode, which leaves out every
-    timing that changes numerics."""
-    from torch._inductor import config as inductor_config
+    inductor's kernels): the same tokens everywhere, and the same log-probs bit for bit eager
+    and in graphs (where PDL is the only difference: the same kernels, launched otherwise), every
+    decode size, bf16. Compiled, each setting is a compilation of its own, and inductor's code
+    differs with PDL (its launch) and by the launch settings it times at a kernel's first
+    launch; a reduction may then sum in another order. On an H200 (2026-12-01), every token the
+    same: at 9/3 heads one log-prob 5.7e-4 apart; under inductor's deterministic mode (no
+    timing that changes numerics) 9/3 heads bit for bit, 14/2 heads still apart. A missing
+    wait (a kernel reading what its predecessor has not written yet) would change tokens or
+    log-probs by far more than the bound."""
     from hybridengine.kernels.decode_attention import pdl_supported
     from hybridengine.kernels.settings import RolloutKernelSettings
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    if not hasattr(inductor_config, "deterministic"):
-        pytest.skip("this torch's inductor has no deterministic mode")
     model = _gpu_model(heads, torch.bfloat16)
     runs = {}
     try:
@@ -343,12 +343,13 @@ def test_random_rollouts_gpu_pdl_changes_no_bit(heads):
             settings = RolloutKernelSettings(pdl=pdl)
             for name, kw in GPU_RUNS.items():
                 torch._dynamo.reset()       # the compiled steps are cached per function
-                with inductor_config.patch(deterministic=True):
-                    runs[pdl, name] = generate(model, 4, attn_backend="triton", **kw, **GPU,
-                                               kernels=settings)[0]
+                runs[pdl, name] = generate(model, 4, attn_backend="triton", **kw, **GPU,
+                                           kernels=settings)[0]
     finally:
         torch._dynamo.reset()
     for name in GPU_RUNS:
         for a, b in zip(runs[True, name], runs[False, name]):
             assert [r.token_ids for r in a] == [r.token_ids for r in b], (heads, name)
-            assert [r.logprobs for r in a] == [r.logprobs for r in b], (heads, name)
+            gap = max(abs(x - y) for ra, rb in zip(a, b)
+                      for x, y in zip(ra.logprobs, rb.logprobs))
+            assert gap <= (0.01 if name == "compiled" else 0.0), (heads, name, gap)
