@@ -8,6 +8,8 @@
 #                                                           report; copies metrics/logs to $OUT
 #   bash bench/smollm2_runs.sh check NAME                   the last checkpoint loads in
 #                                                           transformers and generates
+#   bash bench/smollm2_runs.sh stop NAME                    ends a run (e.g. at a time budget)
+# Several runs may share the GPU (session 11 ran all three at once: bench/RESULTS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
@@ -79,8 +81,14 @@ print(f"loaded {path} with AutoModelForCausalLM: {sum(p.numel() for p in model.p
 EOF
 }
 
+stop() {
+  # matches the run's own command line only (not the shell that asks: its line lacks the key)
+  pkill -f -- "trainer.default_local_dir=$RUNS/$1( |\$)" && echo "stopped $1" || echo "$1 is not running"
+}
+
 case "${1:-}" in
   start) shift; start "$@" ;;
+  stop) stop "$2" ;;
   wait) wait_runs "${2:-540}" ;;
   check) check "$2" ;;
   *) echo "usage: see the top of bench/smollm2_runs.sh" >&2; exit 2 ;;

@@ -223,3 +223,31 @@ def test_plot_marks_the_length_limit_and_keeps_identical_series(tmp_path):
     fig, _ = plot_tool.figure(by_step, max_response_length=64)   # --max-response-length
     assert any("max_response_length = 64" in t.get_text() for ax in fig.axes if ax.get_legend()
                for t in ax.get_legend().texts)
+
+
+def test_plot_compares_runs_by_step_and_by_training_minutes(tmp_path):
+    """Several metrics files: one comparison figure (validation score against step and against
+    the summed timing_s/step, training score's running mean); bad --labels: one error line."""
+    plot_tool = load_plot_tool()
+    for name, seconds in (("a", 1.0), ("b", 3.0)):
+        with Tracker([], log_dir=tmp_path / name) as tracker:
+            for step in range(1, 7):
+                tracker.log({"critic/score/mean": 0.1 * step, "timing_s/step": seconds},
+                            step=step)
+            for step in (0, 3, 6):
+                tracker.log({"val/reward/mean": 0.05 * step}, step=step)
+    by_step = plot_tool.merge_by_step(read_metrics(tmp_path / "b" / METRICS_FILE))
+    assert plot_tool.training_minutes(by_step)[6] == pytest.approx(6 * 3.0 / 60)
+    assert plot_tool.running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    fig = plot_tool.compare_figure({"a": plot_tool.merge_by_step(
+        read_metrics(tmp_path / "a" / METRICS_FILE)), "b": by_step})
+    by_time = fig.axes[1]
+    assert [t.get_text() for t in by_time.get_legend().texts] == ["a", "b"]
+    assert list(by_time.lines[1].get_xdata()) == pytest.approx([0.0, 0.15, 0.3])
+    out = tmp_path / "cmp.png"
+    files = [str(tmp_path / n / METRICS_FILE) for n in "ab"]
+    result = run_plot(*files, "--labels", "GRPO,PPO", "--out", str(out))
+    assert result.returncode == 0 and "comparison of GRPO, PPO" in result.stdout, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = run_plot(*files, "--labels", "GRPO", "--out", str(out))
+    assert result.returncode == 1 and "--labels names 1 runs for 2" in result.stderr

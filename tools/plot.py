@@ -1,6 +1,7 @@
 """Plot a run's metrics.jsonl (written by hybridengine.rl.tracking.Tracker) to a PNG.
 
     python tools/plot.py path/to/metrics.jsonl [--out plot.png] [--max-response-length N]
+    python tools/plot.py RUN_A/metrics.jsonl RUN_B/metrics.jsonl ... [--labels A,B] --out cmp.png
 
 Panels against step: reward (critic/score/mean and validation val/* keys), KL (actor/ppo_kl,
 actor/reward_kl_penalty, actor/kl_loss), response length (response_length/mean and
@@ -13,6 +14,11 @@ calls) are merged. max_response_length is not in metrics.jsonl: --max-response-l
 it, else it is read off a step that clipped (its response_length/max is the limit). The output
 defaults to metrics.png beside the input. Runs from a source checkout without installing the
 package.
+
+With several metrics files, one figure compares the runs (e.g. GRPO against PPO on one task):
+validation score (val/reward/mean) against step and against minutes of training (the sum of
+timing_s/step: compilation, generation, validation and updates alike; checkpoint writes are not
+in it), and the training score (critic/score/mean, a 10-step running mean) against step.
 """
 from __future__ import annotations
 
@@ -177,18 +183,96 @@ def plot(metrics_path: Path, out_path: Path, max_response_length: int | None = N
     return titles
 
 
+VAL_KEY, TRAIN_KEY, STEP_SECONDS = "val/reward/mean", "critic/score/mean", "timing_s/step"
+
+
+def training_minutes(by_step: dict[int, dict]) -> dict[int, float]:
+    """{step: minutes of training up to the end of that step}; step 0 (validation before
+    training) is at 0."""
+    total, out = 0.0, {}
+    for step, m in by_step.items():
+        total += m.get(STEP_SECONDS) or 0.0
+        out[step] = total / 60
+    return out
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def compare_figure(runs: dict[str, dict[int, dict]]) -> plt.Figure:
+    """Validation score against step and against training minutes, and the 10-step running
+    mean of the training score against step, one line per run."""
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4), squeeze=False)
+    by_step_ax, by_time_ax, train_ax = axes.flat
+    for label, by_step in runs.items():
+        steps, values = series(by_step, VAL_KEY)
+        minutes = training_minutes(by_step)
+        by_step_ax.plot(steps, values, marker="o", markersize=3, label=label)
+        by_time_ax.plot([minutes[s] for s in steps], values, marker="o", markersize=3,
+                        label=label)
+        steps, values = series(by_step, TRAIN_KEY)
+        train_ax.plot(steps, running_mean(values, 10), label=label)
+    for ax, title, xlabel in ((by_step_ax, f"validation ({VAL_KEY})", "step"),
+                              (by_time_ax, f"validation ({VAL_KEY})",
+                               f"minutes of training (sum of {STEP_SECONDS})"),
+                              (train_ax, f"training score ({TRAIN_KEY}, 10-step mean)", "step")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("score")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def compare(metrics_paths: list[Path], labels: list[str], out_path: Path) -> None:
+    runs = {}
+    for label, path in zip(labels, metrics_paths):
+        by_step = merge_by_step(read_metrics(path))
+        if not any(VAL_KEY in m or TRAIN_KEY in m for m in by_step.values()):
+            raise ValueError(f"{path}: neither {VAL_KEY} nor {TRAIN_KEY} in it")
+        runs[label] = by_step
+    fig = compare_figure(runs)
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("metrics", type=Path, help="metrics.jsonl written by the trainer")
+    parser.add_argument("metrics", type=Path, nargs="+",
+                        help="metrics.jsonl written by the trainer; several: a comparison")
+    parser.add_argument("--labels", default=None,
+                        help="comparison: the runs' names, comma-separated (default: the "
+                             "files' folder names)")
     parser.add_argument("--out", type=Path, default=None,
                         help="PNG to write (default: metrics.png beside the input)")
     parser.add_argument("--max-response-length", type=int, default=None,
                         help="data.max_response_length, drawn on the length panel (default: "
                              "read off a step that clipped)")
     args = parser.parse_args(argv)
-    out = args.out or args.metrics.with_suffix(".png")
+    if len(args.metrics) > 1:
+        labels = args.labels.split(",") if args.labels else \
+            [p.parent.name or str(p) for p in args.metrics]
+        if len(labels) != len(args.metrics):
+            sys.exit(f"plot.py: --labels names {len(labels)} runs for {len(args.metrics)} "
+                     f"metrics files")
+        if args.out is None:
+            sys.exit("plot.py: a comparison of several runs needs --out")
+        try:
+            compare(args.metrics, labels, args.out)
+        except (FileNotFoundError, ValueError) as err:
+            sys.exit(f"plot.py: {err}")
+        print(f"wrote {args.out} (comparison of {', '.join(labels)})")
+        return
+    metrics = args.metrics[0]
+    out = args.out or metrics.with_suffix(".png")
     try:
-        titles = plot(args.metrics, out, args.max_response_length)
+        titles = plot(metrics, out, args.max_response_length)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"plot.py: {err}")
     print(f"wrote {out} ({', '.join(titles)})")
