@@ -89,7 +89,7 @@ def test_recipes_load(recipe, critic, ref, monkeypatch):
     if recipe.startswith("arith"):
         assert cfg.data.train_batch_size == 64 and cfg.data.max_response_length == 32
         assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(5e-6)
-        assert cfg.trainer.total_training_steps == 500
+        assert cfg.trainer.total_training_steps == 1000
         assert cfg.custom_reward_function.path == "tools/rewards/arith.py"
         assert cfg.actor_rollout_ref.rollout.val_kwargs.do_sample is False
     if recipe == "arith_smollm2":
