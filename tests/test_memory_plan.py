@@ -19,6 +19,7 @@ from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.shapes import QWEN2_5_7B
 from hybridengine.parallel.layout import GenLayout, Layout
 from hybridengine.parallel.mesh import build_gen_mesh, build_mesh
+from hybridengine.rl import memory as rl_memory
 from hybridengine.rl.residency import PHASE_USES
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
@@ -336,3 +337,68 @@ def test_a_run_that_cannot_fit_its_device_budget_exits_2_with_one_line(tmp_path)
     assert "memory plan (GiB per rank, the heaviest rank of each phase, device budget 4.0 GiB)" \
         in ok.stdout
     assert "actor.optimizer" in ok.stdout and "rollout.kv_cache" in ok.stdout
+
+
+# --- offload=auto: the plan picks the offload ------------------------------------------------------
+
+def _default_run(budget_gb=None, **flags):
+    """The default job's tree (tp 1) with `flags` ("actor.grad_offload": True, ...), its layout
+    and model shape."""
+    from hybridengine.config import load_config, validate_config
+    from hybridengine.models.hf import read_model_config
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(["--config", str(root / "configs" / "tiny.yaml"),
+                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                       f"trainer.device_memory_gb={'null' if budget_gb is None else budget_gb}"])
+    for key, value in flags.items():
+        role, flag = key.split(".")
+        setattr(rl_memory._megatron(cfg, role), flag, value)
+    return cfg, validate_config(cfg, 1), read_model_config(cfg.actor_rollout_ref.model.path)
+
+
+def _holds_batch(cfg, layout, model) -> bool:
+    """The run fits its budget and the KV cache holds the whole batch at once."""
+    budget = rl_memory.device_budget(cfg, torch.device("cpu"))
+    plan = rl_memory.plan_run_memory(cfg, layout, model, model, torch.device("cpu"), budget)
+    r = cfg.actor_rollout_ref.rollout
+    want = min(r.max_num_seqs, cfg.data.train_batch_size * r.n)
+    return fit_error(plan, budget) is None and plan.kv_slots >= want
+
+
+def test_auto_offload_takes_the_cheapest_parts_that_make_the_batch_fit():
+    cpu = torch.device("cpu")
+    cfg, layout, model = _default_run()                 # no budget (the CPU): nothing moves
+    assert cfg.actor_rollout_ref.actor.megatron.grad_offload == "auto"
+    assert rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu) == []
+    assert cfg.actor_rollout_ref.actor.megatron.optimizer_offload is False
+    assert rl_memory.offload_summary(cfg) == "none"
+    # the smallest budget (MiB steps) at which the run holds its batch without offload
+    lo, hi = 1, 4096
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _holds_batch(*_default_run(mid / 1024, **dict.fromkeys(
+            ("actor.param_offload", "actor.grad_offload", "actor.optimizer_offload",
+             "ref.param_offload", "critic.param_offload", "critic.grad_offload",
+             "critic.optimizer_offload"), False))) else (mid + 1, hi)
+    assert 1 < lo < 4096
+    cfg, layout, model = _default_run((lo - 1) / 1024)  # 1 MiB short: offload must help
+    chosen = rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu)
+    assert chosen and chosen[0] == "actor.grad_offload=true", chosen   # free: no copy
+    assert _holds_batch(cfg, layout, model)
+    fewer = dict(item.split("=") for item in chosen[:-1])
+    fewer = {k: v == "true" if v in ("true", "false") else v for k, v in fewer.items()}
+    assert not _holds_batch(*_default_run((lo - 1) / 1024, **{**dict.fromkeys(
+        ("actor.param_offload", "actor.grad_offload", "actor.optimizer_offload",
+         "ref.param_offload", "critic.param_offload", "critic.grad_offload",
+         "critic.optimizer_offload"), False), **fewer}))           # the shortest prefix
+    assert rl_memory.offload_summary(cfg).startswith("actor grads")
+    # a flag set by hand stays as it is
+    cfg, layout, model = _default_run((lo - 1) / 1024, **{"actor.grad_offload": False})
+    assert "actor.grad_offload=true" not in rl_memory.resolve_auto_offload(cfg, layout, model,
+                                                                           model, cpu)
+    assert cfg.actor_rollout_ref.actor.megatron.grad_offload is False
+    # nothing fits: every auto flag false, and preflight's error line as before
+    cfg, layout, model = _default_run(0.01)
+    assert rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu) == []
+    assert rl_memory.memory_errors(cfg, layout, model, model, cpu)[0].startswith(
+        "memory plan: update_actor needs ")

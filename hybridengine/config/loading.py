@@ -42,6 +42,9 @@ SPECS: dict[str, tuple[str, bool]] = {
     "data.train_files": ("files", False),
     **dict.fromkeys((_A + "megatron.optimizer_offload", "critic.megatron.optimizer_offload"),
                     ("optimizer_offload", False)),
+    **dict.fromkeys((_A + "megatron.param_offload", _A + "megatron.grad_offload",
+                     _F + "megatron.param_offload", "critic.megatron.param_offload",
+                     "critic.megatron.grad_offload"), ("offload", False)),
     "data.val_files": ("files", True),
     "custom_reward_function.weights": ("dict[str,float]", True),
     _A + "loss_scale_factor": ("float", True),
@@ -124,7 +127,8 @@ NEUTRAL_ONLY = {"ulysses_sequence_parallel_size": 1, "context_parallel_size": 1,
 _KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a string",
                "list[str]": "a list of strings", "list[float]": "a list of numbers",
                "files": "a path or a list of paths", "dict[str,float]": "a mapping of names to numbers",
-               "optimizer_offload": "true, false or host_step"}
+               "offload": "true, false or auto",
+               "optimizer_offload": "true, false, host_step or auto"}
 # Keys whose value is a mapping with free keys: one leaf, not a config section.
 MAPPING_KEYS = frozenset(k for k, (kind, _) in SPECS.items() if kind.startswith("dict["))
 
@@ -361,8 +365,10 @@ def _coerce(value: Any, kind: str) -> Any:
         return value if isinstance(value, str) else (str(value) if is_number else None)
     if kind == "list[str]":
         return [value] if isinstance(value, str) else None
-    if kind == "optimizer_offload":       # false | true (park between phases) | host_step
-        return value if isinstance(value, bool) or value == "host_step" else None
+    if kind == "offload":                 # false | true | auto (rl.memory decides)
+        return value if isinstance(value, bool) or value == "auto" else None
+    if kind == "optimizer_offload":       # ... | host_step (the Adam step on the CPU)
+        return value if isinstance(value, bool) or value in ("auto", "host_step") else None
     if kind == "files":
         ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
         return value if ok else None

@@ -78,15 +78,15 @@ class RefMegatronSection:
     pipeline_model_parallel_size: int
     sequence_parallel: bool
     param_dtype: str
-    param_offload: bool
+    param_offload: bool | str             # false | true | "auto" (rl.memory resolves it)
 
 
 @_frozen
 class MegatronSection(RefMegatronSection):
     """A trained role's: the reference's, and its optimizer's sharding and offload."""
     use_distributed_optimizer: bool
-    grad_offload: bool
-    optimizer_offload: bool | str         # false | true | "host_step"
+    grad_offload: bool | str              # false | true | "auto"
+    optimizer_offload: bool | str         # false | true | "host_step" | "auto"
 
 
 @_frozen

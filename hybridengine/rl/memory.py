@@ -84,6 +84,63 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
     return plan_memory(roles, rollout, PHASE_USES, device_bytes)
 
 
+# offload=auto's candidates, cheapest first: gradient buckets hold nothing between updates (freed,
+# no copy); weights cost one copy each way per step (2 bytes a parameter in bf16), the optimizer
+# twelve (fp32 master + Adam moments), host_step moves the Adam update itself to the CPU
+_AUTO_ORDER = (("actor", "grad_offload", True), ("critic", "grad_offload", True),
+               ("ref", "param_offload", True), ("critic", "param_offload", True),
+               ("actor", "param_offload", True), ("actor", "optimizer_offload", True),
+               ("critic", "optimizer_offload", True), ("actor", "optimizer_offload", "host_step"),
+               ("critic", "optimizer_offload", "host_step"))
+
+
+def _megatron(cfg, role: str):
+    arr = cfg.actor_rollout_ref
+    return {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic}[role].megatron
+
+
+def resolve_auto_offload(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
+                         device: torch.device) -> list[str]:
+    """Replace every `auto` offload flag of the loaded tree `cfg` (in place) with what the memory
+    plan needs, and return the flags it set to something other than false ("actor.grad_offload=
+    true", ...). Without a device budget (module doc): false. Else, taking the auto flags in
+    _AUTO_ORDER, the shortest prefix after which the run fits the budget and the KV cache holds
+    a generation replica's whole batch (at most max_num_seqs) at once; when no prefix holds the
+    batch, the shortest that fits with the most KV slots; when none fits, all false (preflight
+    then reports the plan's error and the settings that would fit)."""
+    auto = [(role, flag) for role in ("actor", "ref", "critic") for flag in
+            ("param_offload", "grad_offload", "optimizer_offload")
+            if getattr(_megatron(cfg, role), flag, None) == "auto"]
+    for role, flag in auto:
+        setattr(_megatron(cfg, role), flag, False)
+    budget = device_budget(cfg, device)
+    if budget is None or not auto:
+        return []
+    roles = {"actor"} | ({"ref"} if uses_reference(cfg) else set()) | \
+        ({"critic"} if uses_critic(cfg) else set())
+    steps = [(role, flag, value) for role, flag, value in _AUTO_ORDER
+             if (role, flag) in auto and role in roles]
+    r = cfg.actor_rollout_ref.rollout
+    wanted = min(r.max_num_seqs, -(-cfg.data.train_batch_size * r.n // layout.rollout.dp))
+    best = None                 # (kv slots, -prefix length) of the best prefix that fits
+    for n in range(len(steps) + 1):
+        for role, flag, value in steps[:n]:
+            setattr(_megatron(cfg, role), flag, value)
+        plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
+        if fit_error(plan, budget) is None:
+            if plan.kv_slots >= wanted:
+                best = (plan.kv_slots, -n)
+                break
+            best = max(best or (plan.kv_slots, -n), (plan.kv_slots, -n))
+        for role, flag, _ in steps[:n]:
+            setattr(_megatron(cfg, role), flag, False)
+    chosen = steps[:-best[1]] if best else []
+    for role, flag, value in chosen:
+        setattr(_megatron(cfg, role), flag, value)
+    return [f"{role}.{flag}={str(value).lower()}" for role, flag, value in chosen
+            if (role, flag, "host_step") not in chosen or value == "host_step"]
+
+
 def memory_errors(cfg, layout, actor_model, critic_model, device: torch.device) -> list[str]:
     """[] when the run fits its device budget (or has none), else the one line of fit_error."""
     budget = device_budget(cfg, device)
@@ -94,13 +151,31 @@ def memory_errors(cfg, layout, actor_model, critic_model, device: torch.device) 
     return [error] if error else []
 
 
+def offload_summary(cfg) -> str:
+    """The offload in effect, e.g. "actor grads, optimizer (host_step); ref params", or "none"."""
+    parts = []
+    for role in ("actor", "ref", "critic"):
+        if (role == "ref" and not uses_reference(cfg)) or (role == "critic"
+                                                           and not uses_critic(cfg)):
+            continue
+        m = _megatron(cfg, role)
+        on = [part for part, flag in (("params", "param_offload"), ("grads", "grad_offload"),
+                                      ("optimizer", "optimizer_offload"))
+              if getattr(m, flag, False) in (True, "host_step")]
+        if getattr(m, "optimizer_offload", False) == "host_step":
+            on[-1] = "optimizer (host_step)"
+        if on:
+            parts.append(f"{role} {', '.join(on)}")
+    return "; ".join(parts) or "none"
+
+
 def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) -> list[str]:
     """The lines printed at start: the plan's table, and the KV warning when it applies."""
     budget = device_budget(cfg, device)
     plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
     where = f", device budget {budget / 2**30:.1f} GiB" if budget else ""
     lines = [f"memory plan (GiB per rank, the heaviest rank of each phase{where}):",
-             *plan.table().splitlines()]
+             *plan.table().splitlines(), f"offloaded to the host: {offload_summary(cfg)}"]
     per_replica = -(-cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
                     // layout.rollout.dp)
     warning = kv_slots_short(plan, per_replica)

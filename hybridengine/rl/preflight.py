@@ -8,8 +8,8 @@ out together, one line each (launch/ppo.py prints them, exit 2):
   such directory, a hub id, a file, broken JSON) before the tokenizer looks in it, and prompt +
   response within its context (verl's rollout refuses a longer max_model_len too; positions past
   max_position_embeddings were never trained);
-- the memory plan (rl.memory): a run that cannot fit its device budget says so in one line, with
-  the settings that would fit.
+- the memory plan (rl.memory): the `auto` offload flags are resolved from it (in the tree), then
+  a run that cannot fit its device budget says so in one line, with the settings that would fit.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hybridengine.config import ConfigError, uses_critic, validate_config
 from hybridengine.config.run import RunConfig
 from hybridengine.models.hf import read_model_config
 from hybridengine.parallel.layout import RunLayout
-from hybridengine.rl.memory import memory_errors
+from hybridengine.rl.memory import memory_errors, resolve_auto_offload
 from hybridengine.rl.tracking import check_backends
 
 
@@ -60,8 +60,9 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
                           f"of {key}={path} (max_position_embeddings={context})")
     if not errors:                  # the memory plan needs a sound config and the model shapes
         actor = models["actor_rollout_ref.model.path"]
-        errors += memory_errors(cfg, layout, actor, models.get("critic.model.path", actor),
-                                run_device(cfg))
+        critic, device = models.get("critic.model.path", actor), run_device(cfg)
+        resolve_auto_offload(cfg, layout, actor, critic, device)
+        errors += memory_errors(cfg, layout, actor, critic, device)
     return layout, errors
 
 
