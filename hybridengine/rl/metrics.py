@@ -30,7 +30,7 @@ def rollout_probs_diff(rollout_logprob: torch.Tensor, old_logprob: torch.Tensor,
     out = {"training/rollout_probs_diff_max": diff.max().item(),
            "training/rollout_probs_diff_mean": diff.mean().item(),
            "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0}
-    if diff.numel() > 1:
+    if diff.numel() > 1 and p_train.std() > 0 and p_rollout.std() > 0:   # else undefined (NaN)
         out["training/rollout_actor_probs_pearson_corr"] = \
             torch.corrcoef(torch.stack([p_train, p_rollout]))[0, 1].item()
     return out
