@@ -6,8 +6,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybridengine"
 # lower number = lower layer; a module may import from layers with a number <= its own
-LAYER = {"parallel": 0, "compiling": 0, "config": 1, "kernels": 1, "models": 2, "train": 3,
-         "rollout": 3, "hybrid": 4, "rl": 5}
+LAYER = {"parallel": 0, "compiling": 0, "kernels": 1, "models": 2, "train": 3,
+         "rollout": 3, "hybrid": 4, "rl": 5, "config": 5}
 
 
 def _imported_packages(path: Path):

@@ -295,6 +295,16 @@ def overlong_penalty(
     return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
 
 
+# algorithm.filter_groups.metric: the per-sequence values dynamic sampling compares in a group
+# (rl.rollout reads them from the reward's extras: seq_reward is the score itself)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def adv_estimator_names() -> tuple[str, ...]:
+    """algorithm.adv_estimator's choices: the registered estimators, in registration order."""
+    return tuple(_ADV_ESTIMATORS)
+
+
 def dynamic_sampling_keep_mask(
     group_index: Sequence[Hashable] | Tensor, metric_values: Tensor | Sequence[float]
 ) -> Tensor:

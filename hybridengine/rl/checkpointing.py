@@ -12,6 +12,9 @@ from pathlib import Path
 from hybridengine.train import checkpoint as ckpt
 from hybridengine.rl.guards import SaveError
 
+# trainer.resume_mode (verl's): Checkpointing.resume
+RESUME_MODES = ("auto", "disable", "resume_path")
+
 
 class RunCheckpoints:
     """Save and resume the state of `roles` ({"actor": Actor, "critic": Critic or None}), the

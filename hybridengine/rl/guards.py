@@ -31,6 +31,9 @@ from collections.abc import Iterator
 from hybridengine.rl.tracking import timer
 
 # What gloo and NCCL say when a peer is silent past the group timeout or gone.
+# trainer.nan_policy: a non-finite update aborts the run, or is dropped and counted
+NAN_POLICIES = ("abort", "skip")
+
 _TIMEOUT_SIGNS = ("Timed out waiting", "Watchdog caught collective operation timeout",
                   "Socket Timeout", "wait timeout")
 _LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

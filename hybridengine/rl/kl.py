@@ -16,6 +16,8 @@ from hybridengine.rl.masked_stats import check_shapes, masked_mean
 Tensor = torch.Tensor
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# algorithm.kl_ctrl.type: make_kl_controller's
+KL_CONTROLLERS = ("fixed", "adaptive")
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
@@ -88,7 +90,8 @@ def make_kl_controller(kl_ctrl: Any) -> FixedKLController:
         return FixedKLController(kl_coef)
     if kind == "adaptive":
         return AdaptiveKLController(kl_coef, field("target_kl", 0.1), field("horizon", 10000))
-    raise ValueError(f"algorithm.kl_ctrl.type={kind!r} is unknown; choose 'fixed' or 'adaptive'")
+    raise ValueError(f"algorithm.kl_ctrl.type={kind!r} is unknown; choose one of "
+                     f"{', '.join(KL_CONTROLLERS)}")
 
 
 @torch.no_grad()

@@ -18,6 +18,10 @@ from hybridengine.train.memory_advice import fit_error, kv_slots_short
 from hybridengine.train.memory_plan import MemoryPlan, RoleSpec, RolloutSpec, plan_memory
 
 
+# *.megatron.param_dtype and rollout.dtype: param_dtype's names
+PARAM_DTYPES = ("bfloat16", "float32")
+
+
 def param_dtype(name: str, device: torch.device) -> torch.dtype:
     """A role's weight dtype: bf16 only where it is fast and intended; CPU runs (tests, the
     default job) stay fp32."""

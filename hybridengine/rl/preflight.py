@@ -66,6 +66,10 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
     return layout, errors
 
 
+# trainer.device: run_device's
+DEVICES = ("auto", "cuda", "cpu")
+
+
 def run_device(cfg) -> torch.device:
     """trainer.device: auto is this rank's GPU where there is one, else the CPU."""
     want = cfg.trainer.device

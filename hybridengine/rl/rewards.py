@@ -36,6 +36,9 @@ from hybridengine.rl.rewards_verl import (   # noqa: F401 - re-exported
     search_r1_score, strip_math_string)
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
+# reward_model.reward_manager: naive scores as they come; dapo adds the overlong penalty
+# (rl.rollout, advantages.overlong_penalty)
+REWARD_MANAGERS = ("naive", "dapo")
 VERL_DEFAULT_NAME = "compute_score"   # custom_reward_function.name's default: the routing
 
 
