@@ -316,7 +316,7 @@ class _Generator:
         else:
             out = [[p[0], 1 if p[0] % 2 == 0 else j + 1] for p in prompts for j in range(params.n)]
         return SimpleNamespace(response_ids=out, logprobs=[[-0.5] * len(r) for r in out], seconds=1.0,
-                               num_generated_tokens=sum(len(r) for r in out))
+                               num_generated_tokens=sum(len(r) for r in out), slots=None)
 
 
 def _reward(data_source, solution_str, ground_truth, extra_info):

@@ -496,7 +496,8 @@ def _responses(lengths_of):
     def generate(prompts, params):
         ids = [[5] * lengths_of(i) for i in range(len(prompts) * params.n)]
         return SimpleNamespace(response_ids=ids, logprobs=[[-1.0] * len(r) for r in ids],
-                               num_generated_tokens=sum(map(len, ids)), seconds=0.01)
+                               num_generated_tokens=sum(map(len, ids)), seconds=0.01,
+                               slots=None)
     return generate
 
 
@@ -519,6 +520,23 @@ def test_some_responses_empty_train_on_the_rest(tmp_path):
     assert metrics["response_length/min"] == 0 and metrics["response_length/mean"] == 1.5
     assert trainer.actor.engine.optimizer.num_steps == 2
     assert all(v == v for v in metrics.values())                # no NaN anywhere
+
+
+def test_a_rollout_in_waves_is_logged_and_said_once_a_step(tmp_path, capsys):
+    """8 sequences a step (4 prompts x 2) on max_num_seqs=3 slots: 3 run at once and one
+    warning line says why; on tiny.yaml's 128 slots all 8 run at once, no warning."""
+    waves = _trainer(tmp_path / "waves", "actor_rollout_ref.rollout.max_num_seqs=3")
+    m = waves.train_step(1, [0, 1, 2, 3], lambda: None)
+    assert (m["rollout/num_slots"], m["rollout/max_concurrent"]) == (3, 3)
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 1
+    assert ("warning: step 1: the rollout ran in waves: a generation replica got 8 sequences but "
+            "its KV cache holds 3 (rollout/num_slots): at most 3 ran at once, 5 waited for a free "
+            "slot; actor_rollout_ref.rollout.max_num_seqs=3 caps the slots\n") in out
+    fits = _trainer(tmp_path / "fits")
+    m = fits.train_step(1, [0, 1, 2, 3], lambda: None)
+    assert (m["rollout/num_slots"], m["rollout/max_concurrent"]) == (128, 8)
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_disk_full_on_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

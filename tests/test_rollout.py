@@ -371,6 +371,37 @@ def test_free_cache_then_generate_again():
     assert all(len(r.token_ids) == 6 for r in again)
 
 
+def test_stats_count_slots_and_the_sequences_that_waited():
+    """8 sequences on kv_cache_tokens = 4 rows of 12 (3 slots + the scratch row; the trainer's
+    engine is capped by memory instead) run in waves: 3 at once, 5 wait, and SlotUse's warning
+    says so; on 8 slots they all run at once."""
+    from hybridengine.hybrid.generator import SlotUse
+    model = _small_vocab_model()
+    prompts, params = [[1, 2, 3], [4], [5, 6], [7]], SamplingParams(n=2, max_tokens=6, seed=3)
+
+    def slot_use(**budget):
+        engine = Engine(model, RolloutConfig(max_model_len=12, **budget))
+        engine.generate(prompts, params)
+        s = engine.stats
+        return SlotUse(s["num_slots"], s["max_concurrent"], s["num_seqs"], s["num_waited"])
+
+    waves = slot_use(max_num_seqs=8, kv_cache_tokens=4 * 12)
+    assert waves == SlotUse(num_slots=3, max_concurrent=3, num_seqs=8, num_waited=5)
+    assert waves.metrics() == {"rollout/num_slots": 3, "rollout/max_concurrent": 3}
+    assert waves.warning(max_num_seqs=8) == (
+        "the rollout ran in waves: a generation replica got 8 sequences but its KV cache holds 3 "
+        "(rollout/num_slots): at most 3 ran at once, 5 waited for a free slot; the memory left "
+        "for the cache caps the slots: more with a higher actor_rollout_ref.rollout."
+        "gpu_memory_utilization or tensor_model_parallel_size, the actor's megatron."
+        "optimizer_offload or param_offload, or a shorter data.max_prompt_length + "
+        "max_response_length")
+    assert slot_use(max_num_seqs=3).warning(max_num_seqs=3).endswith(
+        "; actor_rollout_ref.rollout.max_num_seqs=3 caps the slots")
+    fits = slot_use(max_num_seqs=8)
+    assert fits == SlotUse(num_slots=8, max_concurrent=8, num_seqs=8, num_waited=0)
+    assert fits.warning(max_num_seqs=8) is None
+
+
 def test_scheduler_budget_shared_prompts_and_slot_order():
     sched = Scheduler(SlotAllocator(4), max_prefill_tokens=10)
     for i, (prompt_index, n) in enumerate([(0, 6), (0, 6), (1, 5), (2, 3)]):

@@ -1,17 +1,20 @@
 """Full RL steps on the seed's configuration: PPO (critic, GAE) or GRPO (n=8, no critic).
 
 Every phase of the real trainer runs: rollout (built-in engine), reshard, reward, old/ref
-log-probs, values, critic and actor updates. Model: the Qwen2.5-0.5B shape with random bf16
-weights, saved once as an HF directory with the Qwen2.5 tokenizer. Workloads:
+log-probs, values, critic and actor updates. Model: a Qwen2.5 shape (--model 0.5b, the default,
+1.5b, 3b or 7b: QWEN25) with random bf16 weights, saved once as an HF directory with the Qwen2.5
+tokenizer. Workloads:
   seed   GSM8K train prompts with the seed's instruction and chat template (max 512 tokens),
          responses forced to 256 tokens (random weights rarely stop)
   fixed  512-token prompts + 256-token responses
 Batch: 256 sequences per step (PPO: 256 prompts; GRPO: 32 prompts x n=8), micro-batches packed
 to a token budget. JSON to stdout (per-step metrics of the timed steps, and their means; the
 steady state: median and slowest timed step, with its number; compile seconds per step,
-timing_s/compile); progress to stderr.
+timing_s/compile; the memory plan's peak per rank (rl.memory, "plan") beside the measured one,
+the largest perf/max_memory_allocated_gb of any step (CUDA only), and their ratio); progress to
+stderr.
 
-    python tools/bench_ppo.py --workload seed --algo ppo [--steps 10 --warmup 3]
+    python tools/bench_ppo.py --workload seed --algo ppo [--model 0.5b] [--steps 10 --warmup 3]
         [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile] [--defaults]
         [--val-every K] [--offload grads,optimizer] [--profile] [--set KEY=VALUE ...]
 --rollout-compile compiles the rollout's decode step and prefill (rollout.compile{,_prefill}).
@@ -47,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 from hybridengine.config import load_config  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
+from hybridengine.rl.memory import device_budget, plan_run_memory  # noqa: E402
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
 from profiling import profile_ranges  # noqa: E402
@@ -58,26 +62,44 @@ KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_ac
         "timing_s/step", "timing_s/gen", "timing_s/reshard", "timing_s/reward",
         "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
         "timing_s/update_critic", "timing_s/update_actor", "timing_s/offload", "timing_s/compile",
-        "reshard/bytes_per_rank",
+        "reshard/bytes_per_rank", "rollout/num_slots", "rollout/max_concurrent",
         "response_length/mean", "prompt_length/mean"]
+# Qwen2.5 base models (their config.json): hidden, intermediate, layers, heads, KV heads,
+# vocabulary, tied embeddings; all: rope_theta 1e6, rms_norm_eps 1e-6, 32768 positions
+QWEN25 = {"0.5b": (896, 4864, 24, 14, 2, 151936, True),
+          "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+          "3b": (2048, 11008, 36, 16, 2, 151936, True),
+          "7b": (3584, 18944, 28, 28, 4, 152064, False)}
 
 
 def log(msg: str) -> None:
     print(f"[bench_ppo] {msg}", file=sys.stderr, flush=True)
 
 
-def make_model(out: Path, tokenizer_dir: Path) -> Path:
-    """A random Qwen2.5-0.5B-shaped HF directory (bf16) with the Qwen2.5 tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                      tie_word_embeddings=True, max_position_embeddings=32768,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+def qwen25_config(size: str):
+    """The transformers Qwen2Config of Qwen2.5-<size> (a key of QWEN25)."""
+    from transformers import Qwen2Config
+    hidden, intermediate, layers, heads, kv_heads, vocab, tied = QWEN25[size]
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+                       max_position_embeddings=32768, rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def make_model(out: Path, tokenizer_dir: Path, size: str = "0.5b") -> Path:
+    """A random Qwen2.5-<size>-shaped HF directory (bf16) with the Qwen2.5 tokenizer."""
+    from transformers import Qwen2ForCausalLM
     torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    cuda = torch.cuda.is_available()
+    # initialised in bf16: an fp32 model cast afterwards would hold 30 GB more at 7B
+    with torch.device("cuda" if cuda else "cpu"):
+        model = Qwen2ForCausalLM._from_config(qwen25_config(size), dtype=torch.bfloat16)
     model.save_pretrained(str(out))
+    del model
+    if cuda:        # the writer's weights are no part of the run's measured peak
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     for f in tokenizer_dir.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja"):
             shutil.copy2(f, out / f.name)
@@ -187,9 +209,9 @@ def summarize(metrics_file: Path, after: int) -> dict:
 
 def prepare(args, work: Path) -> tuple[list[str], Path]:
     """The model, the prompts (and validation prompts) in `work`; the run's overrides."""
-    log("writing a random Qwen2.5-0.5B-shaped model and the prompts")
+    log(f"writing a random Qwen2.5-{args.model}-shaped model and the prompts")
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = make_model(work / "model", Path(args.tokenizer))
+    model_dir = make_model(work / "model", Path(args.tokenizer), args.model)
     data = make_data(work, args.workload, Path(args.gsm8k), num_rows=2048)
     val = None
     if args.val_every:
@@ -198,6 +220,21 @@ def prepare(args, work: Path) -> tuple[list[str], Path]:
         val.write_text("".join(json.dumps(to_verl_row(r["question"], r["answer"], "test", i))
                                + "\n" for i, r in enumerate(rows[:args.val_prompts])))
     return overrides(args, model_dir, data, work / "out", val) + extra_overrides(args), model_dir
+
+
+def memory_check(trainer, measured_gb: float | None) -> dict:
+    """The memory plan the trainer prints at start (rl.memory: GiB per rank, its heaviest phase,
+    the KV slots it expects) beside `measured_gb`, the largest perf/max_memory_allocated_gb of
+    any step (None off CUDA, which reports none), and measured / planned."""
+    t = trainer
+    critic = t.critic.engine.cfg if t.critic is not None else None
+    plan = plan_run_memory(t.cfg, t.layout, t.actor.engine.cfg, critic, t.device,
+                           device_budget(t.cfg, t.device))
+    peak_gb = plan.peak / 2**30
+    return {"plan": {"peak_gb": peak_gb, "peak_phase": plan.peak_phase,
+                     "kv_slots": plan.kv_slots},
+            "measured_peak_gb": measured_gb,
+            "measured_over_plan": measured_gb / peak_gb if measured_gb and peak_gb else None}
 
 
 def run(args) -> dict:
@@ -209,11 +246,13 @@ def run(args) -> dict:
     os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
     trainer = Trainer(cfg)
     batches = iter(trainer.sampler)
-    steps, step_s, compile_s, val_s = [], {}, {}, {}
+    steps, step_s, compile_s, val_s, peak_gb = [], {}, {}, {}, None
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
+        if "perf/max_memory_allocated_gb" in m:
+            peak_gb = max(peak_gb or 0.0, m["perf/max_memory_allocated_gb"])
         log(f"step {step}: {time.perf_counter() - t0:.2f} s, "
             f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU"
             + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else ""))
@@ -235,6 +274,7 @@ def run(args) -> dict:
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
+            "model": "stories260k" if args.tiny else f"qwen2.5-{args.model}",
             "algo": "grpo" if args.tiny else args.algo, "sequences_per_step":
                 cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n,
             "rollout_compile": cfg.actor_rollout_ref.rollout.compile,
@@ -244,7 +284,7 @@ def run(args) -> dict:
             "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
-            "val_s": val_s, "mean": mean, "steps": steps,
+            "val_s": val_s, "mean": mean, "steps": steps, **memory_check(trainer, peak_gb),
             **({"profile": profile} if profile is not None else {})}
 
 
@@ -252,6 +292,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", choices=("seed", "fixed"), default="seed")
     ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo")
+    ap.add_argument("--model", choices=tuple(QWEN25), default="0.5b",
+                    help="the Qwen2.5 shape of the random model (not --tiny's)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch")

@@ -10,6 +10,10 @@ generation Decoder itself; replicas are the gen-DP groups of the HybridFlow layo
 (rollout.vllm.VllmRollout, a vLLM engine loaded from the generation Decoder every step; replicas
 are blocks of t_g consecutive ranks, vLLM's layout).
 
+Generated.slots says how the built-in engine's KV-cache slots held the batch (SlotUse: the
+trainer's rollout/num_slots and rollout/max_concurrent, and a warning when it ran in waves),
+exchanged in the all-gather of the response widths.
+
 pop_metrics() also reports the process's torch.compile time since its last call (rollout and
 training layers alike: hybridengine.compiling.CompileWatch; 0 when nothing compiled, a vLLM
 engine's own compilations included) as timing_s/compile, and prints one
@@ -19,16 +23,15 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from hybridengine.compiling import CompileWatch
 from hybridengine.hybrid.hf_stream import hf_weight_stream
 from hybridengine.hybrid.reshard import HybridEngine
 from hybridengine.parallel.mesh import GenMesh
-from hybridengine.parallel.tensor import all_gather_dim0, all_reduce
+from hybridengine.parallel.tensor import all_gather_dim0
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
@@ -44,6 +47,39 @@ def max_prefill_tokens(max_model_len: int) -> int:
     return max(16384, max_model_len)
 
 
+@dataclass(frozen=True)
+class SlotUse:
+    """The built-in engine's KV-cache slots in one generation of one replica (Engine.stats):
+    num_slots, the sequences its cache holds at once; max_concurrent, the most that ran at
+    once; num_seqs, the replica's batch; num_waited, those that found every slot taken."""
+
+    num_slots: int
+    max_concurrent: int
+    num_seqs: int
+    num_waited: int
+
+    def metrics(self) -> dict:
+        return {"rollout/num_slots": self.num_slots,
+                "rollout/max_concurrent": self.max_concurrent}
+
+    def warning(self, max_num_seqs: int) -> str | None:
+        """One line when the batch ran in waves (the slots ran out), naming what capped them;
+        None when it fit at once."""
+        if not self.num_waited:
+            return None
+        key = "actor_rollout_ref.rollout"
+        cap = f"{key}.max_num_seqs={max_num_seqs} caps the slots" \
+            if self.num_slots >= max_num_seqs else (
+                f"the memory left for the cache caps the slots: more with a higher {key}."
+                f"gpu_memory_utilization or tensor_model_parallel_size, the actor's "
+                f"megatron.optimizer_offload or param_offload, or a shorter "
+                f"data.max_prompt_length + max_response_length")
+        return (f"the rollout ran in waves: a generation replica got {self.num_seqs} sequences "
+                f"but its KV cache holds {self.num_slots} (rollout/num_slots): at most "
+                f"{self.max_concurrent} ran at once, {self.num_waited} waited for a free slot; "
+                f"{cap}")
+
+
 @dataclass
 class Generated:
     response_ids: list[list[int]]      # prompt-major: prompt i, sample j at i*n + j
@@ -53,6 +89,9 @@ class Generated:
     finish_reasons: list[str]
     num_generated_tokens: int
     seconds: float
+    # the replica whose sequences waited most for a slot (the largest batch among equals);
+    # None: the vLLM backend, which does not report its slots
+    slots: SlotUse | None = None
 
 
 class Generator:
@@ -138,24 +177,47 @@ class Generator:
             if params.seed is not None:       # replicas must not share random streams
                 params = replace(params, seed=params.seed * 1_000_003 + replica)
             results = engine.generate([prompts[i] for i in mine], params)
+            slots = self._slot_use(engine, len(mine))
             if self.cfg.free_cache_engine:
                 engine.free_cache()
         finally:
             self.hybrid.to_training()
-        out = self._gather(results, len(prompts), params.n, sampled=not params.greedy)
+        out = self._gather(results, len(prompts), params.n, not params.greedy, slots)
         if self.actor.device.type == "cuda":
             torch.cuda.synchronize()
         out.seconds = time.perf_counter() - t0
         return out
 
-    def _gather(self, results, num_prompts, n, sampled: bool) -> Generated:
-        """All-gather every replica's results; keep TP rank 0's copy of each replica's.
-        sampled: report the sampling distribution's log-probs (else the T = 1 ones)."""
-        width = max([len(r.token_ids) for r in results] + [1])
+    def _slot_use(self, engine, num_prompts: int) -> SlotUse | None:
+        """This replica's SlotUse of the generation just run (None: vLLM). A replica without
+        prompts ran nothing (Engine.stats are then the previous call's)."""
+        if self.backend != "builtin":
+            return None
+        if not num_prompts:
+            return SlotUse(0, 0, 0, 0)
+        s = engine.stats
+        return SlotUse(s["num_slots"], s["max_concurrent"], s["num_seqs"], s["num_waited"])
+
+    def _exchange(self, width: int, slots: SlotUse | None) -> tuple[int, SlotUse | None]:
+        """One all-gather over the world: the longest response of any rank, and the SlotUse of
+        the rank whose sequences waited most (Generated.slots)."""
+        row = [width, *(astuple(slots) if slots is not None else (0, 0, 0, 0))]
         world = self.gen_mesh.world_group
+        rows = [row]
         if world is not None:
-            w = torch.tensor([width], device=self.actor.device)
-            width = int(all_reduce(w, world, dist.ReduceOp.MAX).item())
+            mine = torch.tensor([row], dtype=torch.long, device=self.actor.device)
+            rows = all_gather_dim0(mine, world).tolist()
+        # max keeps the first of equals: the lowest rank
+        worst = max(rows, key=lambda r: (r[4], r[3]))
+        return max(r[0] for r in rows), SlotUse(*worst[1:]) if slots is not None else None
+
+    def _gather(self, results, num_prompts, n, sampled: bool,
+                slots: SlotUse | None = None) -> Generated:
+        """All-gather every replica's results; keep TP rank 0's copy of each replica's.
+        sampled: report the sampling distribution's log-probs (else the T = 1 ones); slots:
+        this rank's SlotUse (None: vLLM), exchanged with the response widths."""
+        width, slots = self._exchange(max([len(r.token_ids) for r in results] + [1]), slots)
+        world = self.gen_mesh.world_group
         rows = (num_prompts + self.gen_mesh.gen_dp - 1) // self.gen_mesh.gen_dp * n
         ids = torch.full((rows, width + 2), -1, dtype=torch.float64)   # [len, finish, ids...]
         lps = torch.zeros(rows, width, dtype=torch.float64)
@@ -182,7 +244,7 @@ class Generator:
                     out_lp[p * n + j] = row[2 + width:2 + width + length].float().tolist()
                     out_fin[p * n + j] = "stop" if row[1] > 0 else "length"
         total = sum(len(x) for x in out_ids)
-        return Generated(out_ids, out_lp, out_fin, total, 0.0)
+        return Generated(out_ids, out_lp, out_fin, total, 0.0, slots)
 
     def pop_metrics(self) -> dict:
         out = self.hybrid.pop_metrics()

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from hybridengine.hybrid.generator import Generated
 from hybridengine.rl.advantages import dynamic_sampling_keep_mask, overlong_penalty
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.rewards import score_batch
@@ -31,9 +32,13 @@ def stop_token_ids(tokenizer, model_dir) -> tuple[int, ...]:
 
 
 class RolloutCollector:
-    def __init__(self, cfg, tokenizer, generator, reward_fn=None):
+    """rank: this process's rank (rank 0 prints the step's warning when the rollout ran in
+    waves, hybrid.generator.SlotUse)."""
+
+    def __init__(self, cfg, tokenizer, generator, reward_fn=None, rank: int = 0):
         self.cfg, self.tokenizer, self.generator = cfg, tokenizer, generator
         self.reward_fn = reward_fn
+        self.rank = rank
         self.stop_ids = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
         self.max_resp = cfg.data.max_response_length
 
@@ -45,7 +50,8 @@ class RolloutCollector:
                               stop_token_ids=self.stop_ids, seed=seed,
                               ignore_eos=ignore_eos)
 
-    def _generate(self, items: list[dict], params: SamplingParams) -> tuple[Batch, dict]:
+    def _generate(self, items: list[dict], params: SamplingParams) -> tuple[Batch, Generated]:
+        """(the Batch of `items`' responses, the generator's Generated)."""
         gen = self.generator.generate([it["prompt_ids"] for it in items], params)
         n = params.n
         rep = lambda key: [it[key] for it in items for _ in range(n)]      # noqa: E731
@@ -56,8 +62,13 @@ class RolloutCollector:
         for i, lp in enumerate(gen.logprobs):
             rollout_lp[i, :len(lp)] = torch.tensor(lp)
         batch.tensors["rollout_logprob"] = rollout_lp
-        return batch, {"timing_s/gen": gen.seconds,
-                       "perf/gen_tokens_per_s": gen.num_generated_tokens / gen.seconds}
+        return batch, gen
+
+    @staticmethod
+    def _gen_metrics(gen) -> dict:
+        out = {"timing_s/gen": gen.seconds,
+               "perf/gen_tokens_per_s": gen.num_generated_tokens / gen.seconds}
+        return out if gen.slots is None else {**out, **gen.slots.metrics()}
 
     def _score(self, batch: Batch) -> dict[str, list]:
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
@@ -97,13 +108,15 @@ class RolloutCollector:
         kept (or max_num_gen_batches rounds ran). Returns (Batch | None, metrics)."""
         rk, fg = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.filter_groups
         kept, num_groups, rounds, metrics, t_reward = [], 0, 0, {}, 0.0
-        need, t_gen_max = self.cfg.data.train_batch_size, 0.0
+        need, t_gen_max, waves = self.cfg.data.train_batch_size, 0.0, None
         while indices is not None:
             rounds += 1
             params = self.sampling(rk, seed=self.cfg.trainer.seed * 1_000_003 + step * 997 + rounds,
                                    ignore_eos=rk.ignore_eos)
             items = [dataset[i] for i in indices]
-            batch, metrics = self._generate(items, params)
+            batch, gen = self._generate(items, params)
+            metrics = self._gen_metrics(gen)
+            waves = waves or (gen.slots.warning(rk.max_num_seqs) if gen.slots else None)
             t0 = time.perf_counter()
             extras = self._score(batch)
             t_reward += time.perf_counter() - t0
@@ -129,6 +142,8 @@ class RolloutCollector:
                 break
             indices = next_batch()
         metrics.update({"timing_s/reward": t_reward, "train/num_gen_batches": rounds})
+        if waves and self.rank == 0:        # once per step: the first round that ran in waves
+            print(f"warning: step {step}: {waves}", flush=True)
         if t_gen_max:
             metrics["timing_s/gen_max"] = t_gen_max
         if not kept:

@@ -88,7 +88,8 @@ class Trainer:
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.rollout_correction = RolloutCorrectionConfig.from_config(
             cfg.algorithm.rollout_correction)
-        self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn)
+        self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn,
+                                          rank=self.rank)
         self.peak = peak_flops() if self.device.type == "cuda" else None
         self.checkpoints = RunCheckpoints(self.root, meshes.world, self.rank,
                                           {"actor": self.actor, "critic": self.critic},

@@ -91,6 +91,10 @@ class Engine:
     max_position_embeddings) and max_prefill_tokens against it. self.config holds the resolved
     max_model_len. device / dtype, if given, must be the model's (a caller's expectation,
     checked: the engine never moves the model).
+
+    After generate, self.stats: seconds and steps per phase, num_seqs, num_slots (sequences the
+    KV cache holds at once), max_concurrent (the most that ran at once) and num_waited (those
+    that found every slot taken: the batch ran in waves).
     """
 
     def __init__(self, model, config: RolloutConfig = RolloutConfig(), *, device=None,
@@ -145,6 +149,7 @@ class Engine:
         # host seconds before the first step and after the last one was retired (wall clock)
         host = dict(host_setup_s=timer.t0 - t_start, host_results_s=time.perf_counter() - t_run)
         self.stats = dict(timer.totals(), **host, num_seqs=len(seqs), num_slots=runner.num_slots,
+                          max_concurrent=sched.max_running, num_waited=sched.num_waited,
                           num_generated_tokens=sum(len(r.token_ids) for r in out),
                           attn_backend=runner.backend, prefill_attention=runner.prefill_attention,
                           cuda_graphs=runner.use_graphs)

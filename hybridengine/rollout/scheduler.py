@@ -31,12 +31,16 @@ class Sequence:
 
 
 class Scheduler:
+    """max_running: the most sequences that held a slot at once; num_waited: the sequences
+    that found every slot taken when their turn came (0: the batch fit the cache at once)."""
+
     def __init__(self, allocator: SlotAllocator, max_prefill_tokens: int):
         self.allocator = allocator
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}          # slot -> sequence
         self._rows: list[Sequence] | None = None
+        self.max_running = self.num_waited = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,6 +68,11 @@ class Scheduler:
             num_tokens += cost
         if batch:
             self._rows = None
+            self.max_running = max(self.max_running, len(self.running))
+        if self.waiting and not self.allocator.can_allocate():
+            # every sequence is added before the first step, so those still waiting the first
+            # time the slots run out are all that will wait
+            self.num_waited = max(self.num_waited, len(self.waiting))
         return batch
 
     def decode_rows(self) -> list[Sequence]:
