@@ -205,10 +205,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_per_partition, dtype=dtype, device=device)) \
             if bias else None
         nn.init.normal_(self.weight, std=0.02)
+        self.lora = None            # parallel.lora.LoRA adapters, when the model has them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return nn.functional.linear(x, self.weight, self.bias)
+        y = nn.functional.linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora.delta(x, self.out_per_partition)
+        return y
 
 
 class RowParallelLinear(nn.Module):
@@ -229,9 +233,13 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) \
             if bias else None
         nn.init.normal_(self.weight, std=0.02)
+        self.lora = None            # parallel.lora.LoRA adapters, when the model has them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nn.functional.linear(x, self.weight)
+        if self.lora is not None and self.lora.enabled:
+            # this rank's partial delta rides on the layer's own reduction (parallel.lora)
+            y = y + self.lora.delta(x, self.weight.shape[0])
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel \
             else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias

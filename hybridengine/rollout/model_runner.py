@@ -23,10 +23,11 @@ import logging
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from hybridengine.models.attention import PackedInput
-from hybridengine.parallel.tensor import all_gather_dim0, group_size
+from hybridengine.parallel.tensor import all_gather_dim0, all_reduce, group_size
 from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resolve_backend,
                                             resolve_prefill_attention)
 # MAX_COMPILED_GRAPHS, graph_buckets, Pending: also importable from here (tests, the engine)
@@ -106,6 +107,11 @@ class ModelRunner:
         budget, c = None, self.config
         if c.kv_cache_tokens is None and self.device.type == "cuda":
             budget = self._free_bytes_for_cache()
+            if self.tp > 1:
+                # the ranks of a replica schedule in lockstep (the logits' all-gather, the same
+                # slots every step): the smallest rank's room sizes everyone's cache
+                room = torch.tensor([budget], dtype=torch.long, device=self.device)
+                budget = int(all_reduce(room, self.tp_group, op=dist.ReduceOp.MIN).item())
         S = plan_num_slots(c.max_num_seqs, self.max_model_len, bpt, c.kv_cache_tokens, budget)
         L, dev = self.max_model_len, self.device
         self.cache = KVCache(num_layers, S, L, attn.num_kv_heads, attn.head_dim, self.dtype, dev)

@@ -1,0 +1,151 @@
+"""LoRA adapters on the tensor-parallel decoder (parallel.lora, models.lora), float64 on the CPU:
+the adapted model equals the base with merged weights W + (alpha/r)·B·A; with the adapters off it
+is the base bit for bit; only adapters train; at tp = 2 (sequence parallelism on and off) the
+log-probs and the adapter gradients equal tp = 1's, and every layout draws the same adapters."""
+import pytest
+import torch
+
+from dist_utils import run_dist
+from hybridengine.models.attention import PackedInput
+from hybridengine.models.hf import load_decoder
+from hybridengine.models.lora import add_lora, lora_state_dict, resolve_targets
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.lora import adapters_disabled, lora_layers, merged_weight
+from hybridengine.parallel.mesh import build_mesh
+from hybridengine.parallel.tensor import all_gather_dim0, sync_sequence_parallel_grads
+from model_utils import save_tiny
+
+LENGTHS = [9, 6, 12]
+RANK, ALPHA = 4, 8.0
+
+
+def _batch(tp: int):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (sum(LENGTHS),), generator=g)
+    packed = PackedInput.from_lengths(ids, LENGTHS, multiple_of=tp)
+    return packed, torch.nn.functional.pad(torch.roll(ids, -1), (0, packed.num_pad))
+
+
+def _nonzero_b(model) -> None:
+    """PEFT starts B at zero (the adapted model is the base); tests want a delta."""
+    with torch.no_grad():
+        for name, p in sorted(lora_state_dict(model).items()):
+            if ".lora_B." in name:
+                g = torch.Generator().manual_seed(sum(map(ord, name)))
+                full = torch.randn(p.shape[0] * _tp(model) if _sharded_b(name) else p.shape[0],
+                                   p.shape[1], generator=g, dtype=p.dtype) * 0.05
+                p.copy_(full.chunk(_tp(model))[_rank(model)] if _sharded_b(name) else full)
+
+
+def _tp(model) -> int:
+    from hybridengine.parallel.tensor import group_size
+    return group_size(model.tp_group)
+
+
+def _rank(model) -> int:
+    from hybridengine.parallel.tensor import group_rank
+    return group_rank(model.tp_group)
+
+
+def _sharded_b(name: str) -> bool:
+    return not any(k in name for k in ("o_proj", "down_proj"))     # column layers shard B
+
+
+def _sharded_a(name: str) -> bool:
+    return any(k in name for k in ("o_proj", "down_proj"))         # row layers shard A
+
+
+def _logprob_and_grads(model, tp: int):
+    packed, targets = _batch(tp)
+    model.zero_grad()
+    logp, ent = model.logprob_entropy(model(packed), targets)
+    loss = -packed.strip(logp).sum() + 0.1 * packed.strip(ent).sum()
+    if not loss.requires_grad:          # nothing trains (the adapters switched off)
+        return packed.strip(logp).detach(), {}
+    loss.backward()
+    sync_sequence_parallel_grads(model, model.tp_group)
+    grads = {}
+    for name, p in lora_state_dict(model).items():
+        g = p.grad
+        if tp > 1 and _sharded_b(name) and ".lora_B." in name:
+            g = all_gather_dim0(g.contiguous(), model.tp_group)
+        if tp > 1 and _sharded_a(name) and ".lora_A." in name:
+            g = all_gather_dim0(g.t().contiguous(), model.tp_group).t()
+        grads[name] = g
+    full_logp = packed.strip(logp).detach()
+    return full_logp, grads
+
+
+def test_adapted_model_is_the_base_with_merged_weights(tmp_path):
+    d = save_tiny(tmp_path / "m", "qwen2", tied=True)
+    model = load_decoder(d, dtype=torch.float64)
+    base_logp, _ = _logprob_and_grads(load_decoder(d, dtype=torch.float64), 1)
+    add_lora(model, RANK, ALPHA)
+    # PEFT's start: B = 0, the adapted model is the base
+    assert torch.equal(_logprob_and_grads(model, 1)[0], base_logp)
+    _nonzero_b(model)
+    logp, grads = _logprob_and_grads(model, 1)
+    merged = load_decoder(d, dtype=torch.float64)
+    with torch.no_grad():
+        theirs = dict(merged.named_modules())
+        for name, mine in model.named_modules():
+            if getattr(mine, "lora", None) is not None:
+                theirs[name].weight.copy_(merged_weight(mine))
+    assert (logp - _logprob_and_grads(merged, 1)[0]).abs().max() < 1e-10
+    assert (logp - base_logp).abs().max() > 1e-4           # the adapters do something
+    with adapters_disabled(model):                          # the reference: the base, exactly
+        assert torch.equal(_logprob_and_grads(model, 1)[0], base_logp)
+    assert all(m.enabled for m in lora_layers(model))
+    # only adapters train: 2 layers x 7 modules x (A, B), each with a gradient
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora." in n or ".A." in n or ".B." in n for n in trainable)
+    assert len(grads) == 2 * 7 * 2 and all(g is not None and g.abs().sum() > 0
+                                           for g in grads.values())
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_target_modules_choose_the_adapted_slices(tmp_path):
+    assert resolve_targets("all-linear")[0] == "q_proj"
+    with pytest.raises(ValueError, match=r"target_modules=\['qkv'\]"):
+        resolve_targets(["qkv"])
+    model = load_decoder(save_tiny(tmp_path / "m", "llama", tied=False), dtype=torch.float64)
+    add_lora(model, RANK, ALPHA, ["q_proj", "v_proj"])
+    names = sorted({n.split(".")[-3] for n in lora_state_dict(model)})
+    assert names == ["q_proj", "v_proj"]
+    _nonzero_b(model)
+    qkv = model.layers[0].self_attn.qkv_proj
+    q = model.layers[0].self_attn.num_heads * model.layers[0].self_attn.head_dim
+    kv = model.layers[0].self_attn.num_kv_heads * model.layers[0].self_attn.head_dim
+    delta = merged_weight(qkv) - qkv.weight
+    assert delta[:q].abs().sum() > 0 and delta[q + kv:].abs().sum() > 0
+    assert torch.equal(delta[q:q + kv], torch.zeros_like(delta[q:q + kv]))   # k untouched
+
+
+def _worker(rank, world, model_dir, ref):
+    mesh = build_mesh(Layout(2, 1, 1))
+    for sp in (True, False):
+        model = load_decoder(model_dir, mesh, sequence_parallel=sp, dtype=torch.float64)
+        add_lora(model, RANK, ALPHA)
+        ref_logp, ref_grads, ref_a = ref
+        for name, p in lora_state_dict(model).items():        # the same adapters drawn
+            if ".lora_A." in name:
+                want = ref_a[name].chunk(2, dim=1)[rank] if _sharded_a(name) else ref_a[name]
+                assert torch.equal(p.detach(), want), name
+        _nonzero_b(model)
+        logp, grads = _logprob_and_grads(model, 2)
+        assert (logp - ref_logp).abs().max() < 1e-10, sp
+        assert grads.keys() == ref_grads.keys()
+        for k, want in ref_grads.items():
+            err = (grads[k] - want).abs().max() / want.abs().max()
+            assert err < 1e-5, f"{k} sp={sp}: {err}"
+
+
+@pytest.mark.multiproc
+def test_tp2_adapters_equal_tp1(tmp_path):
+    d = save_tiny(tmp_path / "m", "qwen2", tied=True)
+    model = load_decoder(d, dtype=torch.float64)
+    add_lora(model, RANK, ALPHA)
+    a = {n: p.detach().clone() for n, p in lora_state_dict(model).items() if ".lora_A." in n}
+    _nonzero_b(model)
+    logp, grads = _logprob_and_grads(model, 1)
+    run_dist(_worker, 2, d, (logp, grads, a))
