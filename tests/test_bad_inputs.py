@@ -522,9 +522,10 @@ def test_some_responses_empty_train_on_the_rest(tmp_path):
     assert all(v == v for v in metrics.values())                # no NaN anywhere
 
 
-def test_a_rollout_in_waves_is_logged_and_said_once_a_step(tmp_path, capsys):
+def test_a_rollout_in_waves_is_logged_and_said_once(tmp_path, capsys):
     """8 sequences a step (4 prompts x 2) on max_num_seqs=3 slots: 3 run at once and one
-    warning line says why; on tiny.yaml's 128 slots all 8 run at once, no warning."""
+    warning line says why, not repeated by the next step that says the same; on tiny.yaml's
+    128 slots all 8 run at once, no warning."""
     waves = _trainer(tmp_path / "waves", "actor_rollout_ref.rollout.max_num_seqs=3")
     m = waves.train_step(1, [0, 1, 2, 3], lambda: None)
     assert (m["rollout/num_slots"], m["rollout/max_concurrent"]) == (3, 3)
@@ -533,6 +534,8 @@ def test_a_rollout_in_waves_is_logged_and_said_once_a_step(tmp_path, capsys):
     assert ("warning: step 1: the rollout ran in waves: a generation replica got 8 sequences but "
             "its KV cache holds 3 (rollout/num_slots): at most 3 ran at once, 5 waited for a free "
             "slot; actor_rollout_ref.rollout.max_num_seqs=3 caps the slots\n") in out
+    m = waves.train_step(2, [4, 5, 6, 7], lambda: None)
+    assert m["rollout/max_concurrent"] == 3 and "warning" not in capsys.readouterr().out
     fits = _trainer(tmp_path / "fits")
     m = fits.train_step(1, [0, 1, 2, 3], lambda: None)
     assert (m["rollout/num_slots"], m["rollout/max_concurrent"]) == (128, 8)

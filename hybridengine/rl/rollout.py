@@ -32,13 +32,14 @@ def stop_token_ids(tokenizer, model_dir) -> tuple[int, ...]:
 
 
 class RolloutCollector:
-    """rank: this process's rank (rank 0 prints the step's warning when the rollout ran in
-    waves, hybrid.generator.SlotUse)."""
+    """rank: this process's rank (rank 0 prints a warning when the rollout ran in waves,
+    hybrid.generator.SlotUse: at the first such step, and again only when what it says changes,
+    so a run that always runs in waves says so once, not every step)."""
 
     def __init__(self, cfg, tokenizer, generator, reward_fn=None, rank: int = 0):
         self.cfg, self.tokenizer, self.generator = cfg, tokenizer, generator
         self.reward_fn = reward_fn
-        self.rank = rank
+        self.rank, self._last_waves = rank, None
         self.stop_ids = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
         self.max_resp = cfg.data.max_response_length
 
@@ -142,8 +143,9 @@ class RolloutCollector:
                 break
             indices = next_batch()
         metrics.update({"timing_s/reward": t_reward, "train/num_gen_batches": rounds})
-        if waves and self.rank == 0:        # once per step: the first round that ran in waves
-            print(f"warning: step {step}: {waves}", flush=True)
+        if waves and waves != self._last_waves and self.rank == 0:
+            print(f"warning: step {step}: {waves}", flush=True)    # the first round's
+        self._last_waves = waves or self._last_waves
         if t_gen_max:
             metrics["timing_s/gen_max"] = t_gen_max
         if not kept:
