@@ -317,6 +317,13 @@ def grpo_with_greedy_sampling(tmp):
         "(actor_rollout_ref.rollout.do_sample=true, temperature > 0)"
 
 
+def lora_target_unknown(tmp):
+    cfg = _tiny("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[qkv]")
+    return lambda: validate_config(cfg, 2), ValueError, \
+        "actor_rollout_ref.model.target_modules=['qkv']: each one of q_proj, k_proj, v_proj, " \
+        "o_proj, gate_proj, up_proj, down_proj, or all-linear"
+
+
 def data_file_empty(tmp):
     f = tmp / "train.jsonl"
     f.write_text("")
@@ -365,7 +372,7 @@ CATALOGUE = [
     world_differs_from_nnodes_times_gpus, model_path_missing, model_path_is_a_hub_id,
     model_path_is_a_file, broken_config_json, prompt_and_response_beyond_the_context,
     device_cuda_without_cuda, logger_wandb_not_installed, logger_mlflow,
-    grpo_with_greedy_sampling, data_file_empty, jsonl_not_utf8, yaml_syntax_error,
+    grpo_with_greedy_sampling, lora_target_unknown, data_file_empty, jsonl_not_utf8, yaml_syntax_error,
     reward_file_syntax_error, output_dir_under_a_file,
 ]
 

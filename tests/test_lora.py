@@ -149,3 +149,58 @@ def test_tp2_adapters_equal_tp1(tmp_path):
     _nonzero_b(model)
     logp, grads = _logprob_and_grads(model, 1)
     run_dist(_worker, 2, d, (logp, grads, a))
+
+
+# --- in the trainer: the actor trains adapters, the reference is the base, exports are merged --
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def _lora_trainer(tmp_path, *overrides):
+    """A one-process GRPO trainer on stories260k with a KL loss (so the reference scores), LoRA
+    rank 4 on every linear module: 4 prompts x 4 samples of 32 tokens (some score > 0), 2
+    updates per step."""
+    from hybridengine.config import load_config
+    from hybridengine.rl.trainer import Trainer
+    cfg = load_config(["--config", str(ROOT / "configs" / "tiny.yaml"),
+                       f"data.train_files={ROOT / 'data' / 'stories_keywords' / 'train.jsonl'}",
+                       "data.val_files=null", "actor_rollout_ref.model.lora_rank=4",
+                       "actor_rollout_ref.model.lora_alpha=8",
+                       "actor_rollout_ref.actor.optim.lr=1e-2",
+                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                       "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                       "actor_rollout_ref.rollout.n=4", "data.max_response_length=32",
+                       "actor_rollout_ref.actor.use_kl_loss=true",
+                       "trainer.val_before_train=False", "trainer.logger=[]",
+                       f"trainer.default_local_dir={tmp_path}", *overrides])
+    return Trainer(cfg)
+
+
+def test_lora_actor_in_the_trainer(tmp_path):
+    trainer = _lora_trainer(tmp_path / "run", "trainer.total_training_steps=3",
+                            "trainer.save_freq=3")
+    model = trainer.actor.engine.model
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora." not in n}
+    assert trainer.ref.engine is trainer.actor.engine          # no second copy of the weights
+    trainer.fit()                                               # 3 steps, 3 switches each way
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters()
+               if ".lora." not in n)                            # the base, bit for bit
+    b = [p for n, p in lora_state_dict(model).items() if ".lora_B." in n]
+    assert any(p.abs().sum() > 0 for p in b)                    # the adapters trained
+    # the reference is the base: its log-probs are those of a model without adapters
+    from hybridengine.rl.batch import Batch
+    batch = Batch([[1, 2, 3]] * 2, [[4, 5, 6], [7, 8]], [0, 0], ["keyword"] * 2, [["dog"]] * 2,
+                  [{}] * 2, 8)
+    plain = load_decoder(ROOT / "models" / "stories260k", dtype=torch.float32)
+    packed = PackedInput.from_lengths(torch.tensor([1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8]), [6, 5])
+    want, _ = plain.logprob_entropy(plain(packed), torch.roll(packed.input_ids, -1))
+    got = trainer.ref.score(batch, "logprob")
+    assert torch.allclose(got[0, :3], want[2:5], atol=1e-6)
+    assert torch.allclose(got[1, :2], want[8:10], atol=1e-6)
+    assert not torch.allclose(trainer.actor.score(batch, "logprob")[0, :3], want[2:5],
+                              atol=1e-4)                        # the actor is not the base
+    # the checkpoint's HF export holds the merged weights under HF names, loadable as usual
+    exported = load_decoder(tmp_path / "run" / "global_step_3" / "actor", dtype=torch.float32)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert torch.allclose(exported.layers[0].self_attn.qkv_proj.weight, merged_weight(qkv))

@@ -15,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hybridengine.config.errors import ConfigError
 from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R
+
+_M = "actor_rollout_ref.model."
 from hybridengine.parallel.layout import GenLayout, Layout, RunLayout
 
 
@@ -126,6 +128,25 @@ def _check_algorithm(cfg: DictConfig) -> Iterator[str]:
                "use the rule rewards or custom_reward_function.path")
     if cfg.trainer.resume_mode == "resume_path" and cfg.trainer.resume_from_path is None:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
+    yield from _check_lora(cfg)
+
+
+def _check_lora(cfg: DictConfig) -> Iterator[str]:
+    m = cfg.actor_rollout_ref.model
+    if m.lora_rank < 0:
+        yield f"{_M}lora_rank={m.lora_rank} must be >= 0 (0: full-parameter training)"
+    if m.lora_rank > 0:
+        from hybridengine.models.lora import resolve_targets   # the model family's names
+        try:
+            resolve_targets(list(m.target_modules))
+        except ValueError as e:
+            yield f"{_M}{e}"
+        if m.lora_adapter_path is not None:
+            yield f"{_M}lora_adapter_path: starting from a PEFT adapter is not supported yet"
+        if cfg.actor_rollout_ref.rollout.name == "vllm":
+            yield f"{_M}lora_rank > 0 with {_R}name=vllm is not supported yet: use builtin"
+    if cfg.critic.model.lora_rank and uses_critic(cfg):
+        yield "critic.model.lora_rank > 0: a LoRA critic is not supported yet"
 
 
 def _check_train_batches(cfg: DictConfig, section: str, role: Layout) -> Iterator[str]:

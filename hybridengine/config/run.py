@@ -47,6 +47,10 @@ class ModelSection:
     path: str | None
     trust_remote_code: bool
     enable_gradient_checkpointing: bool
+    lora_rank: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    lora_adapter_path: str | None
 
 
 @_frozen

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
+from hybridengine.models.lora import base_weights
 from hybridengine.hybrid.gen_model import assign_weights, build_gen_decoder, release_weights
 from hybridengine.hybrid.plan import MODES, ReshardPlan, max_received_numel, plan_reshard
 from hybridengine.hybrid.program import ALIGN_BYTES, Copies, Program, compile_program, \
@@ -135,7 +136,7 @@ class HybridEngine:
         """This rank's generation shard (t_g, gen_tp_rank; all layers) as a Decoder."""
         if self._active:
             raise RuntimeError("to_generation() called twice without to_training()")
-        params = {n: p for n, p in train_model.named_parameters()
+        params = {n: p for n, p in base_weights(train_model)    # LoRA: merged (models.lora)
                   if not n.startswith("value_head.")}
         first = next(iter(params.values()))
         device, dtype = first.device, self.dtype or first.dtype

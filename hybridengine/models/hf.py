@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hybridengine.models.lora import base_weights
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.parallel.tensor import all_gather_dim0, group_size, padded_vocab_size
 
@@ -261,7 +262,7 @@ def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,
         tmp.mkdir(parents=True)
     _barrier(world)
     tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    for name, param in base_weights(model):       # LoRA: the merged weights (models.lora)
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue  # the tied copy on the last stage; the first stage writes the embedding
         for k, t in _gather_full(model, name, param).items():

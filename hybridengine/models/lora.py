@@ -9,18 +9,28 @@ adapters; `lora_state_dict(model)` names this rank's adapter tensors as PEFT doe
 """
 from __future__ import annotations
 
-from hybridengine.parallel.lora import LoRA, LoRATarget
+from dataclasses import dataclass
+
+from hybridengine.parallel.lora import LoRA, LoRATarget, merged_weight
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION + MLP
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """A role's adapters: rank, alpha (scaling alpha / rank), the targeted HF modules."""
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ("all-linear",)
+
+
 def resolve_targets(target_modules) -> tuple[str, ...]:
     """verl's target_modules: "all-linear" or a list of HF module names."""
-    if target_modules == "all-linear":
-        return LINEAR_MODULES
     names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+    if names == ("all-linear",):
+        return LINEAR_MODULES
     bad = [n for n in names if n not in LINEAR_MODULES]
     if bad or not names:
         raise ValueError(f"target_modules={list(names)}: each one of "
@@ -72,3 +82,20 @@ def lora_state_dict(model) -> dict[str, object]:
                 out[f"{prefix}.lora_A.weight"] = lora.A[t.name]
                 out[f"{prefix}.lora_B.weight"] = lora.B[t.name]
     return out
+
+
+def base_weights(model):
+    """(name, tensor) of the model's base parameters, each adapted weight merged (W + s·B·A, a
+    new tensor: W itself never changes) and the adapter tensors left out: what the rollout's
+    generation weights and an HF export read. Without adapters: named_parameters() itself."""
+    adapted = {f"{name}.weight": m for name, m in model.named_modules()
+               if getattr(m, "lora", None) is not None}
+    for name, p in model.named_parameters():
+        if ".lora." in name:
+            continue
+        yield name, (merged_weight(adapted[name]).detach() if name in adapted else p)
+
+
+def is_lora_replicated(param) -> bool:
+    """An adapter matrix every TP rank holds whole (parallel.lora marks them)."""
+    return bool(getattr(param, "sequence_parallel", False))

@@ -11,6 +11,7 @@ import torch
 
 from hybridengine.config.run import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
     MegatronSection, OptimSection, RefConfig
+from hybridengine.parallel.lora import adapters_disabled
 from hybridengine.train.engine import OptimConfig, TrainEngine
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
@@ -170,6 +171,16 @@ class Critic(Role):
 
 
 class Reference(Role):
-    def __init__(self, engine: TrainEngine, cfg: RefConfig):
+    """The reference policy: an engine of its own, or with base_of_actor the actor's engine with
+    its LoRA adapters switched off (verl's ref_in_actor: no second copy of the weights)."""
+
+    def __init__(self, engine: TrainEngine, cfg: RefConfig, base_of_actor: bool = False):
         super().__init__(engine, cfg.log_prob_micro_batch_size_per_gpu,
                          cfg.log_prob_max_token_len_per_gpu, cfg.log_prob_use_dynamic_bsz)
+        self.base_of_actor = base_of_actor
+
+    def score(self, batch: Batch, key: str) -> torch.Tensor:
+        if not self.base_of_actor:
+            return super().score(batch, key)
+        with adapters_disabled(self.engine.model):
+            return super().score(batch, key)

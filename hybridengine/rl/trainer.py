@@ -29,6 +29,7 @@ from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, loa
 from hybridengine.hybrid.generator import Generator
 from hybridengine.rl.checkpointing import RunCheckpoints
 from hybridengine.rl.guards import Phases, count_skipped_updates, inject_faults
+from hybridengine.models.lora import LoRAConfig
 from hybridengine.rl.metrics import batch_metrics, perf_metrics, step_flops
 from hybridengine.rl.residency import Residency, offload_parts
 from hybridengine.rl.rewards import build_reward
@@ -116,15 +117,21 @@ class Trainer:
         # verl scores old / ref / current log-probs (and the entropy) at the rollout temperature,
         # so the ratio and the KL are those of the policy that sampled
         temperature = scoring_temperature(arr.rollout)
+        m = arr.model
+        lora = LoRAConfig(m.lora_rank, m.lora_alpha, tuple(m.target_modules)) \
+            if m.lora_rank > 0 else None
         actor_engine = TrainEngine(
             arr.model.path, meshes.actor, dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
             temperature=temperature,
             recompute=bool(arr.model.enable_gradient_checkpointing),
-            optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps))
+            optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps),
+            lora=lora)
         self.actor = Actor(actor_engine, arr)
         self.ref = None
-        if uses_reference(cfg):
+        if uses_reference(cfg) and lora is not None:    # the base: the actor's adapters off
+            self.ref = Reference(actor_engine, arr.ref, base_of_actor=True)
+        elif uses_reference(cfg):
             ref_engine = TrainEngine(arr.model.path, meshes.ref, dtype=dtype,
                                      device=self.device, compile_layers=compile_lm,
                                      temperature=temperature,
@@ -142,7 +149,7 @@ class Trainer:
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
         offload = {"actor": (actor_engine, offload_parts(a_meg, True))}
-        if self.ref is not None:
+        if self.ref is not None and not self.ref.base_of_actor:
             offload["ref"] = (self.ref.engine, offload_parts(arr.ref.megatron, False))
         if self.critic is not None:
             offload["critic"] = (self.critic.engine, offload_parts(cfg.critic.megatron, True))

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
+from hybridengine.models.lora import LoRAConfig, add_lora, is_lora_replicated
 from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
@@ -75,7 +76,8 @@ class TrainEngine:
     def __init__(self, model_dir, mesh, *, sequence_parallel: bool = True,
                  value_head: bool = False, dtype=torch.float32, device="cpu",
                  optim: OptimConfig | None = None, temperature: float = 1.0,
-                 compile_layers: bool = False, recompute: bool = False):
+                 compile_layers: bool = False, recompute: bool = False,
+                 lora: LoRAConfig | None = None):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
@@ -85,6 +87,9 @@ class TrainEngine:
             self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
                                       value_head=value_head, dtype=dtype, device=self.device)
         self.cfg = self.model.cfg
+        self.lora = lora
+        if lora is not None:        # the base frozen: the optimizer holds the adapters only
+            add_lora(self.model, lora.rank, lora.alpha, lora.target_modules)
         self.model.recompute_layers = recompute     # activation recomputation in train_step
         if compile_layers and self.device.type == "cuda":
             compile_decoder_layers(self.model)
@@ -106,7 +111,9 @@ class TrainEngine:
         def counted(name, p):
             if name == "lm_head.weight" and tied_copy:
                 return False            # the first stage's embedding counts for both copies
-            return self.mesh.tp_rank == 0 or not is_tp_replicated(name, self.cfg, tp)
+            replicated = is_lora_replicated(p) if ".lora." in name else \
+                is_tp_replicated(name, self.cfg, tp)
+            return self.mesh.tp_rank == 0 or not replicated
         schedule = LRSchedule(o.lr, total_steps=o.total_steps, warmup_steps=o.warmup_steps,
                               warmup_style=o.schedule, min_lr_ratio=o.min_lr_ratio)
         return DistributedOptimizer(
