@@ -24,6 +24,7 @@ from hybridengine.rl.residency import PHASE_USES
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.train import memory_plan as mp
+from hybridengine.models.lora import LoRAConfig
 from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine
 from hybridengine.train import memory_advice
 from hybridengine.train.memory_advice import fit_error, kv_slots_short
@@ -83,6 +84,14 @@ def _check_layout(layout: Layout, rank: int, out: dict) -> None:
         spec = RoleSpec(cfg, layout, torch.bfloat16, value_head=value_head, bucket_mb=BUCKET_MB)
         out[f"{'critic' if value_head else 'actor'} rank{rank}"] = _compare(engine, spec,
                                                                             mesh.pp_rank)
+    # a LoRA actor: base weights + adapters, the optimizer's state the adapters' only
+    torch.manual_seed(0)
+    lora = LoRAConfig(4, 8.0, ("q_proj", "v_proj", "down_proj"))
+    engine = TrainEngine(CFG, mesh, dtype=torch.bfloat16, optim=optim, lora=lora)
+    _one_step(engine, layout.tp, False)
+    spec = RoleSpec(CFG, layout, torch.bfloat16, bucket_mb=BUCKET_MB, lora_rank=4,
+                    lora_targets=lora.target_modules)
+    out[f"lora actor rank{rank}"] = _compare(engine, spec, mesh.pp_rank)
     for gen_tp in [t for t in (1, 2) if layout.tp % t == 0]:
         gen_layout = GenLayout(layout, gen_tp)
         hybrid = HybridEngine(CFG, mesh, build_gen_mesh(gen_layout), bucket_mb=0.05)

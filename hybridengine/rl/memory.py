@@ -13,6 +13,7 @@ import torch
 from hybridengine.config import uses_critic, uses_reference
 from hybridengine.hybrid.generator import max_prefill_tokens
 from hybridengine.models.decoder import ModelConfig
+from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import PHASE_USES, offload_parts
 from hybridengine.train.memory_advice import fit_error, kv_slots_short
 from hybridengine.train.memory_plan import MemoryPlan, RoleSpec, RolloutSpec, plan_memory
@@ -54,7 +55,8 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
     """The plan of a loaded config tree or RunConfig (same key paths) on `layout` (RunLayout)."""
     arr, d = cfg.actor_rollout_ref, cfg.data
     seq = d.max_prompt_length + d.max_response_length
-    a, r = arr.actor, arr.rollout
+    a, r, m = arr.actor, arr.rollout, arr.model
+    lora = (m.lora_rank, resolve_targets(list(m.target_modules))) if m.lora_rank > 0 else (0, ())
     roles = {"actor": RoleSpec(
         actor_model, layout.actor, param_dtype(a.megatron.param_dtype, device),
         use_distributed_optimizer=a.megatron.use_distributed_optimizer,
@@ -63,8 +65,9 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
         train_tokens=_tokens(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
                              a.ppo_micro_batch_size_per_gpu, seq),
         forward_tokens=_tokens(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu,
-                               r.log_prob_micro_batch_size_per_gpu, seq))}
-    if uses_reference(cfg):
+                               r.log_prob_micro_batch_size_per_gpu, seq),
+        lora_rank=lora[0], lora_targets=lora[1])}
+    if uses_reference(cfg) and not lora[0]:     # with LoRA the reference is the actor's base
         f = arr.ref
         roles["ref"] = RoleSpec(
             actor_model, layout.ref, param_dtype(f.megatron.param_dtype, device), trained=False,

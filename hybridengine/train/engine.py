@@ -95,7 +95,8 @@ class TrainEngine:
             compile_decoder_layers(self.model)
         self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
         # the two copies of a tied embedding (first and last stage) sum their gradients
-        tied = self.cfg.tie_word_embeddings and mesh.pp > 1 and not value_head   # (every stage)
+        # (every stage; a LoRA model's embedding is frozen: nothing to sum)
+        tied = self.cfg.tie_word_embeddings and mesh.pp > 1 and not value_head and lora is None
         self.embedding_group = mesh.embedding_group if tied else None
         self.optimizer = None
         if optim is not None:

@@ -76,6 +76,8 @@ class RoleSpec:
     recompute: bool = False
     train_tokens: int = 16384
     forward_tokens: int | None = None
+    lora_rank: int = 0                      # > 0: the optimizer holds these adapters only
+    lora_targets: tuple[str, ...] = ()      # HF module names (models.lora.resolve_targets)
 
 
 @dataclass(frozen=True)
@@ -196,15 +198,35 @@ def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool) -> float:
     return 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d
 
 
+def lora_numels(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, rank: int,
+                targets: tuple[str, ...]) -> list[int]:
+    """Elements of each adapter matrix on one rank (parallel.lora: a column layer's A [r, H]
+    whole and B [rows/tp, r]; a row layer's A [r, in/tp] and B [H, r] whole)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    rows = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d,
+            "v_proj": cfg.num_kv_heads * d, "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size}
+    cols = {"o_proj": cfg.num_heads * d, "down_proj": cfg.intermediate_size}
+    per_layer = []
+    for t in targets:
+        per_layer += [rank * h, rows[t] // tp * rank] if t in rows else [rank * cols[t] // tp,
+                                                                          h * rank]
+    return per_layer * len(range(*stage_layers(cfg.num_layers, pp, pp_rank)))
+
+
 def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
     """Bytes of one role on a rank of pipeline stage `pp_rank`."""
     cfg, lay, b, h = spec.cfg, spec.layout, spec.dtype.itemsize, spec.cfg.hidden_size
     numels = [math.prod(s) for _, s in stage_params(cfg, lay.tp, lay.pp, pp_rank,
                                                     spec.value_head)]
+    trained = numels
+    if spec.lora_rank:          # the base frozen: the optimizer's state is the adapters'
+        trained = lora_numels(cfg, lay.tp, lay.pp, pp_rank, spec.lora_rank, spec.lora_targets)
+        numels = numels + trained
     grads = master = 0
     if spec.trained:
         shards = lay.dp if spec.use_distributed_optimizer else 1
-        buckets = grad_buckets(numels, spec.bucket_mb, shards)
+        buckets = grad_buckets(trained, spec.bucket_mb, shards)
         g = torch.promote_types(spec.dtype, torch.float32).itemsize
         grads, master = sum(buckets) * g, sum(buckets) // shards * g
     s = lay.tp if lay.sequence_parallel else 1
@@ -231,7 +253,9 @@ def reshard_memory(actor: RoleSpec, g: RolloutSpec, pp_rank: int) -> tuple[int, 
     cfg, lay, e = actor.cfg, actor.layout, g.dtype.itemsize
     gen = stage_params(cfg, g.gen_tp,
                        vocab_rows=padded_vocab_size(cfg.vocab_size, lay.tp) // g.gen_tp)
-    mine = dict(stage_params(cfg, lay.tp, lay.pp, pp_rank)) if actor.dtype == g.dtype else {}
+    # LoRA: the generation weights are merged copies (W + s·B·A), never the training tensors
+    mine = dict(stage_params(cfg, lay.tp, lay.pp, pp_rank)) \
+        if actor.dtype == g.dtype and not actor.lora_rank else {}
     if lay.pp > 1 and cfg.tie_word_embeddings:
         mine.pop("lm_head.weight", None)     # the last stage's copy is never read
     align = max(1, ARENA_ALIGN_BYTES // e)
