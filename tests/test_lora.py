@@ -8,7 +8,10 @@ import torch
 from dist_utils import run_dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.hf import load_decoder
-from hybridengine.models.lora import add_lora, lora_state_dict, resolve_targets
+from safetensors.torch import load_file
+
+from hybridengine.models.lora import (LoRAConfig, add_lora, lora_state_dict, resolve_targets,
+                                      save_peft_adapter)
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.lora import adapters_disabled, lora_layers, merged_weight
 from hybridengine.parallel.mesh import build_mesh
@@ -121,7 +124,7 @@ def test_target_modules_choose_the_adapted_slices(tmp_path):
     assert torch.equal(delta[q:q + kv], torch.zeros_like(delta[q:q + kv]))   # k untouched
 
 
-def _worker(rank, world, model_dir, ref):
+def _worker(rank, world, model_dir, ref, out_dir):
     mesh = build_mesh(Layout(2, 1, 1))
     for sp in (True, False):
         model = load_decoder(model_dir, mesh, sequence_parallel=sp, dtype=torch.float64)
@@ -138,6 +141,13 @@ def _worker(rank, world, model_dir, ref):
         for k, want in ref_grads.items():
             err = (grads[k] - want).abs().max() / want.abs().max()
             assert err < 1e-5, f"{k} sp={sp}: {err}"
+        # the PEFT directory holds whole matrices, as one process writes them
+        save_peft_adapter(model, f"{out_dir}/tp2", LoRAConfig(RANK, ALPHA), model_dir, mesh)
+        if rank == 0:
+            mine = load_file(f"{out_dir}/tp2/adapter_model.safetensors")
+            want = load_file(f"{out_dir}/tp1/adapter_model.safetensors")
+            assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k])
+                                                      for k in want)
 
 
 @pytest.mark.multiproc
@@ -148,7 +158,8 @@ def test_tp2_adapters_equal_tp1(tmp_path):
     a = {n: p.detach().clone() for n, p in lora_state_dict(model).items() if ".lora_A." in n}
     _nonzero_b(model)
     logp, grads = _logprob_and_grads(model, 1)
-    run_dist(_worker, 2, d, (logp, grads, a))
+    save_peft_adapter(model, tmp_path / "tp1", LoRAConfig(RANK, ALPHA), d)
+    run_dist(_worker, 2, d, (logp, grads, a), str(tmp_path))
 
 
 # --- in the trainer: the actor trains adapters, the reference is the base, exports are merged --
@@ -200,7 +211,20 @@ def test_lora_actor_in_the_trainer(tmp_path):
     assert torch.allclose(got[1, :2], want[8:10], atol=1e-6)
     assert not torch.allclose(trainer.actor.score(batch, "logprob")[0, :3], want[2:5],
                               atol=1e-4)                        # the actor is not the base
-    # the checkpoint's HF export holds the merged weights under HF names, loadable as usual
-    exported = load_decoder(tmp_path / "run" / "global_step_3" / "actor", dtype=torch.float32)
+    # the checkpoint: a PEFT adapter directory, and the merged model as an HF directory
+    actor_dir = tmp_path / "run" / "global_step_3" / "actor"
+    exported = load_decoder(actor_dir / "merged", dtype=torch.float32)
     qkv = model.layers[0].self_attn.qkv_proj
     assert torch.allclose(exported.layers[0].self_attn.qkv_proj.weight, merged_weight(qkv))
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+    base_hf = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "stories260k",
+                                                   dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base_hf, actor_dir).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        want = torch.log_softmax(theirs(ids).logits[0].float(), -1)
+        want = want[torch.arange(5), ids[0, 1:]]
+    packed = PackedInput.from_lengths(ids[0], [6])
+    got, _ = model.logprob_entropy(model(packed), torch.roll(packed.input_ids, -1))
+    assert (got[:5].detach() - want).abs().max() < 1e-5          # PEFT's LoRA model, exactly

@@ -51,6 +51,7 @@ class ModelSection:
     lora_alpha: float
     target_modules: tuple[str, ...]
     lora_adapter_path: str | None
+    lora_save_merged: bool
 
 
 @_frozen

@@ -1,5 +1,6 @@
 """LoRA on the decoder (parallel.lora): which HF modules an adapter may target, where each sits
-in the fused tensor-parallel layers, and the adapters' HF (PEFT) names.
+in the fused tensor-parallel layers, the adapters' HF (PEFT) names, and the PEFT adapter
+directory a checkpoint holds (save_peft_adapter: `peft.PeftModel.from_pretrained(base, dir)`).
 
     add_lora(model, rank=8, alpha=16, target_modules="all-linear")
 
@@ -9,9 +10,18 @@ adapters; `lora_state_dict(model)` names this rank's adapter tensors as PEFT doe
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from hybridengine.parallel.lora import LoRA, LoRATarget, merged_weight
+from hybridengine.parallel.tensor import all_gather_dim0
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -24,6 +34,7 @@ class LoRAConfig:
     rank: int
     alpha: float
     target_modules: tuple[str, ...] = ("all-linear",)
+    save_merged: bool = True        # checkpoints: also W + s·B·A as a full HF dir, merged/
 
 
 def resolve_targets(target_modules) -> tuple[str, ...]:
@@ -99,3 +110,55 @@ def base_weights(model):
 def is_lora_replicated(param) -> bool:
     """An adapter matrix every TP rank holds whole (parallel.lora marks them)."""
     return bool(getattr(param, "sequence_parallel", False))
+
+
+def _full(name: str, t: torch.Tensor, tp_group) -> torch.Tensor:
+    """The whole adapter matrix from this rank's part (parallel.lora: B of column layers holds
+    this rank's rows, A of row layers this rank's columns; the others are whole)."""
+    row_layer = name.split(".")[-3] in ("o_proj", "down_proj")
+    t = t.detach()
+    if ".lora_B." in name and not row_layer:
+        return all_gather_dim0(t.contiguous(), tp_group)
+    if ".lora_A." in name and row_layer:
+        return all_gather_dim0(t.t().contiguous(), tp_group).t()
+    return t
+
+
+def save_peft_adapter(model, out_dir: str | os.PathLike, lora: LoRAConfig,
+                      base_model: str | None, mesh=None, dtype: torch.dtype | None = None) -> None:
+    """Write a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors with
+    PEFT's names, whole matrices) from any (tp, pp, dp) layout; collective over the mesh's world
+    (None: one process). Each stage's first rank writes its layers' part; global rank 0 joins
+    the parts into one file and renames the temp directory onto out_dir."""
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.tmp"
+    rank, world = (mesh.rank, mesh.world_group) if mesh else (0, None)
+    pp, pp_rank = (mesh.pp, mesh.pp_rank) if mesh else (1, 0)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if world is not None:
+        dist.barrier(group=world)
+    tensors = {n: _full(n, p, model.tp_group).to(dtype or p.dtype).contiguous().cpu()
+               for n, p in lora_state_dict(model).items()}
+    if mesh is None or (mesh.tp_rank == 0 and mesh.dp_rank == 0):
+        save_file(tensors, str(tmp / f"part-{pp_rank}.safetensors"))
+    if world is not None:
+        dist.barrier(group=world)
+    if rank == 0:
+        joined = {}
+        for s in range(pp):
+            joined.update(load_file(str(tmp / f"part-{s}.safetensors")))
+            (tmp / f"part-{s}.safetensors").unlink()
+        save_file(joined, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        targets = list(resolve_targets(list(lora.target_modules)))
+        (tmp / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+            "lora_alpha": lora.alpha, "target_modules": targets, "lora_dropout": 0.0,
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+            "modules_to_save": None, "base_model_name_or_path": base_model}, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    if world is not None:
+        dist.barrier(group=world)

@@ -118,8 +118,8 @@ class Trainer:
         # so the ratio and the KL are those of the policy that sampled
         temperature = scoring_temperature(arr.rollout)
         m = arr.model
-        lora = LoRAConfig(m.lora_rank, m.lora_alpha, tuple(m.target_modules)) \
-            if m.lora_rank > 0 else None
+        lora = LoRAConfig(m.lora_rank, m.lora_alpha, tuple(m.target_modules),
+                          m.lora_save_merged) if m.lora_rank > 0 else None
         actor_engine = TrainEngine(
             arr.model.path, meshes.actor, dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,

@@ -20,6 +20,7 @@ micro-batch's share of the batch loss (the DP reduction sums gradients).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
-from hybridengine.models.lora import LoRAConfig, add_lora, is_lora_replicated
+from hybridengine.models.lora import LoRAConfig, add_lora, is_lora_replicated, save_peft_adapter
 from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
@@ -251,8 +252,17 @@ class TrainEngine:
         return result
 
     def save_hf(self, out_dir, dtype=None) -> None:
+        """The role's weights as an HF directory (collective over the mesh). LoRA: a PEFT adapter
+        directory (models.lora.save_peft_adapter) and, with save_merged, the merged model as a
+        full HF directory in its merged/ folder."""
         self.require("params")
-        save_hf(self.model, out_dir, self.mesh, src_dir=self.model_dir, dtype=dtype)
+        if self.lora is None:
+            save_hf(self.model, out_dir, self.mesh, src_dir=self.model_dir, dtype=dtype)
+            return
+        save_peft_adapter(self.model, out_dir, self.lora, str(self.model_dir), self.mesh, dtype)
+        if self.lora.save_merged:
+            save_hf(self.model, Path(out_dir) / "merged", self.mesh, src_dir=self.model_dir,
+                    dtype=dtype)
 
 
 def _mean(values: list, device) -> torch.Tensor:
