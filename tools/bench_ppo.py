@@ -16,7 +16,8 @@ stderr.
 
     python tools/bench_ppo.py --workload seed --algo ppo [--model 0.5b] [--steps 10 --warmup 3]
         [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile] [--defaults]
-        [--val-every K] [--offload grads,optimizer] [--profile] [--set KEY=VALUE ...]
+        [--val-every K] [--offload grads,optimizer] [--lora RANK [--lora-alpha A]] [--profile]
+        [--set KEY=VALUE ...]
 --rollout-compile compiles the rollout's decode step and prefill (rollout.compile{,_prefill}).
 --defaults leaves CUDA graphs, compilation and micro-batching to the config's defaults (on CUDA
 configs/cuda_defaults.yaml) instead of setting them from the flags above and --max-tokens.
@@ -179,6 +180,11 @@ def extra_overrides(args) -> list[str]:
             raise SystemExit(f"--offload {part!r}: choose from {', '.join(OFFLOAD_FLAGS)}")
         ov += [f"{role}.megatron.{OFFLOAD_FLAGS[part]}=true"
                for role in ("actor_rollout_ref.actor", "critic")]
+    if args.lora:               # a LoRA actor: rank, alpha (default 2 x rank), every linear
+        alpha = args.lora_alpha or 2 * args.lora
+        ov += [f"actor_rollout_ref.model.lora_rank={args.lora}",
+               f"actor_rollout_ref.model.lora_alpha={alpha}",
+               "actor_rollout_ref.model.lora_save_merged=false"]
     return ov
 
 
@@ -308,6 +314,9 @@ def main():
     ap.add_argument("--val-prompts", type=int, default=256, help="GSM8K test prompts validated")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--offload", default="", help="comma list of params,grads,optimizer")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="a LoRA actor of this rank (actor_rollout_ref.model.lora_rank)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x --lora")
     ap.add_argument("--profile", action="store_true", help="kernel table per phase of a step")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more config override (repeatable)")
