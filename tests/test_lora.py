@@ -10,8 +10,8 @@ from hybridengine.models.attention import PackedInput
 from hybridengine.models.hf import load_decoder
 from safetensors.torch import load_file
 
-from hybridengine.models.lora import (LoRAConfig, add_lora, lora_state_dict, resolve_targets,
-                                      save_peft_adapter)
+from hybridengine.models.lora import (LoRAConfig, add_lora, load_peft_adapter, lora_state_dict,
+                                      resolve_targets, save_peft_adapter)
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.lora import adapters_disabled, lora_layers, merged_weight
 from hybridengine.parallel.mesh import build_mesh
@@ -148,6 +148,12 @@ def _worker(rank, world, model_dir, ref, out_dir):
             want = load_file(f"{out_dir}/tp1/adapter_model.safetensors")
             assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k])
                                                       for k in want)
+        # and back: each rank takes its part of the whole matrices
+        fresh = load_decoder(model_dir, mesh, sequence_parallel=sp, dtype=torch.float64)
+        add_lora(fresh, RANK, ALPHA, seed=1)
+        load_peft_adapter(fresh, f"{out_dir}/tp1", LoRAConfig(RANK, ALPHA))
+        theirs = lora_state_dict(fresh)
+        assert all(torch.equal(p, theirs[n]) for n, p in lora_state_dict(model).items())
 
 
 @pytest.mark.multiproc
@@ -228,3 +234,23 @@ def test_lora_actor_in_the_trainer(tmp_path):
     packed = PackedInput.from_lengths(ids[0], [6])
     got, _ = model.logprob_entropy(model(packed), torch.roll(packed.input_ids, -1))
     assert (got[:5].detach() - want).abs().max() < 1e-5          # PEFT's LoRA model, exactly
+
+
+def test_a_peft_adapter_loads_back_and_a_mismatch_is_one_line(tmp_path):
+    d = save_tiny(tmp_path / "m", "llama", tied=False)
+    targets = ("q_proj", "down_proj")
+    model = load_decoder(d, dtype=torch.float32)
+    add_lora(model, RANK, ALPHA, targets)
+    _nonzero_b(model)
+    save_peft_adapter(model, tmp_path / "adapter", LoRAConfig(RANK, ALPHA, targets), d)
+    fresh = load_decoder(d, dtype=torch.float32)
+    add_lora(fresh, RANK, ALPHA, targets, seed=7)
+    load_peft_adapter(fresh, tmp_path / "adapter", LoRAConfig(RANK, ALPHA, targets[::-1]))
+    theirs = lora_state_dict(fresh)
+    assert all(torch.equal(p, theirs[n]) for n, p in lora_state_dict(model).items())
+    with pytest.raises(ValueError, match=r"its r, lora_alpha, target_modules \(4, 8.0, "
+                                         r"\['down_proj', 'q_proj'\]\) differ from the run's "
+                                         r"\(8, 8.0"):
+        load_peft_adapter(fresh, tmp_path / "adapter", LoRAConfig(8, ALPHA, targets))
+    with pytest.raises(ValueError, match="not a PEFT LoRA directory"):
+        load_peft_adapter(fresh, tmp_path, LoRAConfig(RANK, ALPHA))

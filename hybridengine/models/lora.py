@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from hybridengine.parallel.lora import LoRA, LoRATarget, merged_weight
-from hybridengine.parallel.tensor import all_gather_dim0
+from hybridengine.parallel.tensor import all_gather_dim0, group_rank, group_size
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -35,6 +35,7 @@ class LoRAConfig:
     alpha: float
     target_modules: tuple[str, ...] = ("all-linear",)
     save_merged: bool = True        # checkpoints: also W + s·B·A as a full HF dir, merged/
+    adapter_path: str | None = None     # start from this PEFT adapter (load_peft_adapter)
 
 
 def resolve_targets(target_modules) -> tuple[str, ...]:
@@ -162,3 +163,41 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, lora: LoRAConfig,
         tmp.rename(out)
     if world is not None:
         dist.barrier(group=world)
+
+
+def load_peft_adapter(model, adapter_dir: str | os.PathLike, lora: LoRAConfig) -> None:
+    """Set the model's adapters (add_lora first) from a PEFT LoRA directory, each rank taking
+    its part of the whole matrices. Its rank, alpha and targets must be the run's (one-line
+    ValueError naming both otherwise)."""
+    d = Path(adapter_dir)
+    try:
+        config = json.loads((d / "adapter_config.json").read_text())
+        tensors = load_file(str(d / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"lora_adapter_path={d}: not a PEFT LoRA directory "
+                         f"(adapter_config.json, adapter_model.safetensors): {e}") from None
+    theirs = (config.get("r"), float(config.get("lora_alpha", 0)),
+              sorted(resolve_targets(config.get("target_modules") or [])))
+    ours = (lora.rank, float(lora.alpha), sorted(resolve_targets(list(lora.target_modules))))
+    if theirs != ours:
+        raise ValueError(f"lora_adapter_path={d}: its r, lora_alpha, target_modules {theirs} "
+                         f"differ from the run's {ours}")
+    tp, rank = _tp(model)
+    with torch.no_grad():
+        for name, p in lora_state_dict(model).items():
+            if name not in tensors:
+                raise ValueError(f"lora_adapter_path={d}: no tensor {name}")
+            full = tensors[name]
+            row_layer = name.split(".")[-3] in ("o_proj", "down_proj")
+            if ".lora_B." in name and not row_layer:
+                full = full.chunk(tp, dim=0)[rank]
+            elif ".lora_A." in name and row_layer:
+                full = full.chunk(tp, dim=1)[rank]
+            if full.shape != p.shape:
+                raise ValueError(f"lora_adapter_path={d}: {name} is {tuple(full.shape)}, this "
+                                 f"model's {tuple(p.shape)}")
+            p.copy_(full)
+
+
+def _tp(model) -> tuple[int, int]:
+    return group_size(model.tp_group), group_rank(model.tp_group)

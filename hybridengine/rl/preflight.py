@@ -9,9 +9,12 @@ out together, one line each (launch/ppo.py prints them, exit 2):
   response within its context (verl's rollout refuses a longer max_model_len too; positions past
   max_position_embeddings were never trained);
 - the memory plan (rl.memory): the `auto` offload flags are resolved from it (in the tree), then
-  a run that cannot fit its device budget says so in one line, with the settings that would fit.
+  a run that cannot fit its device budget says so in one line, with the settings that would fit;
+- a LoRA run's lora_adapter_path is a PEFT adapter directory.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -58,6 +61,11 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
             errors.append(f"data.max_prompt_length + data.max_response_length = "
                           f"{d.max_prompt_length}+{d.max_response_length} exceeds the context "
                           f"of {key}={path} (max_position_embeddings={context})")
+    adapter = cfg.actor_rollout_ref.model.lora_adapter_path
+    if cfg.actor_rollout_ref.model.lora_rank > 0 and adapter is not None and not (
+            Path(adapter) / "adapter_config.json").is_file():
+        errors.append(f"actor_rollout_ref.model.lora_adapter_path={adapter}: not a PEFT adapter "
+                      f"directory (no adapter_config.json)")
     if not errors:                  # the memory plan needs a sound config and the model shapes
         actor = models["actor_rollout_ref.model.path"]
         critic, device = models.get("critic.model.path", actor), run_device(cfg)

@@ -119,7 +119,7 @@ class Trainer:
         temperature = scoring_temperature(arr.rollout)
         m = arr.model
         lora = LoRAConfig(m.lora_rank, m.lora_alpha, tuple(m.target_modules),
-                          m.lora_save_merged) if m.lora_rank > 0 else None
+                          m.lora_save_merged, m.lora_adapter_path) if m.lora_rank > 0 else None
         actor_engine = TrainEngine(
             arr.model.path, meshes.actor, dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,

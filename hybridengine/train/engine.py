@@ -28,7 +28,8 @@ import torch.distributed as dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
-from hybridengine.models.lora import LoRAConfig, add_lora, is_lora_replicated, save_peft_adapter
+from hybridengine.models.lora import (LoRAConfig, add_lora, is_lora_replicated,
+                                      load_peft_adapter, save_peft_adapter)
 from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
@@ -91,6 +92,8 @@ class TrainEngine:
         self.lora = lora
         if lora is not None:        # the base frozen: the optimizer holds the adapters only
             add_lora(self.model, lora.rank, lora.alpha, lora.target_modules)
+            if lora.adapter_path is not None:
+                load_peft_adapter(self.model, lora.adapter_path, lora)
         self.model.recompute_layers = recompute     # activation recomputation in train_step
         if compile_layers and self.device.type == "cuda":
             compile_decoder_layers(self.model)
