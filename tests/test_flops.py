@@ -132,3 +132,21 @@ def test_peak_flops_on_gpu_is_plausible():
     # Any bf16 tensor-core GPU this targets sustains 1e13..3e15 FLOP/s on an 8192^3 GEMM.
     assert 1e13 < peak < 3e15
     assert peak_flops() == peak  # measured once, cached
+
+
+def test_a_lora_actors_update_counts_no_weight_gradients():
+    """step_flops: a full-parameter update is 3 forwards (forward, input and weight gradients),
+    a LoRA actor's 2 (its frozen weights get no gradient)."""
+    from types import SimpleNamespace
+    from hybridengine.models.decoder import ModelConfig
+    from hybridengine.rl.metrics import step_flops
+    model = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16)
+
+    def cfg(rank):
+        return SimpleNamespace(actor_rollout_ref=SimpleNamespace(
+            model=SimpleNamespace(lora_rank=rank), actor=SimpleNamespace(ppo_epochs=1)))
+    full = step_flops(model, [10, 20], cfg(0), has_ref=True, has_critic=False)
+    lora = step_flops(model, [10, 20], cfg(8), has_ref=True, has_critic=False)
+    assert full["update_actor"] == 3 * full["old_log_prob"]
+    assert lora["update_actor"] == 2 * lora["old_log_prob"] and lora["ref"] == full["ref"]

@@ -65,15 +65,19 @@ def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
 def step_flops(model_cfg, seqlens: list[int], cfg, has_ref: bool,
                has_critic: bool) -> dict[str, float]:
     """Model FLOPs of the step's training-engine phases, keyed by their timing_s/ names:
-    old/ref log-prob and value forwards, actor/critic updates (fwd+bwd per epoch). Generation is
+    old/ref log-prob and value forwards, actor/critic updates (fwd+bwd per epoch; LoRA: no
+    weight gradients of the base). Generation is
     not counted (perf/gen_tokens_per_s measures it), so perf/mfu is the training phases'
     utilisation over the whole step time."""
     c = model_cfg
     args = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
             c.head_dim)
     lm_fwd = float(decoder_flops(*args, c.vocab_size, seqlens))
+    # a LoRA actor's backward computes no gradient of the frozen weights: fwd + input grads
+    # (the adapters' own products are a rounding error beside the base's)
+    passes = 2 if cfg.actor_rollout_ref.model.lora_rank > 0 else 3
     out = {"old_log_prob": lm_fwd,
-           "update_actor": 3 * lm_fwd * cfg.actor_rollout_ref.actor.ppo_epochs}
+           "update_actor": passes * lm_fwd * cfg.actor_rollout_ref.actor.ppo_epochs}
     if has_ref:
         out["ref"] = lm_fwd
     if has_critic:
