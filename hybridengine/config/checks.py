@@ -15,9 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from hybridengine.config.errors import ConfigError
 from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R
+from hybridengine.parallel.layout import GenLayout, Layout, RunLayout
 
 _M = "actor_rollout_ref.model."
-from hybridengine.parallel.layout import GenLayout, Layout, RunLayout
 
 
 # ----------------------------------------------------------------------------- layout

@@ -113,16 +113,24 @@ def is_lora_replicated(param) -> bool:
     return bool(getattr(param, "sequence_parallel", False))
 
 
-def _full(name: str, t: torch.Tensor, tp_group) -> torch.Tensor:
-    """The whole adapter matrix from this rank's part (parallel.lora: B of column layers holds
-    this rank's rows, A of row layers this rank's columns; the others are whole)."""
+def _shard_dim(name: str) -> int | None:
+    """The dimension along which TP ranks split the adapter matrix `name` (a lora_state_dict
+    key), None when every rank holds it whole (parallel.lora: B of a column layer is split by
+    rows, A of a row layer by columns)."""
     row_layer = name.split(".")[-3] in ("o_proj", "down_proj")
-    t = t.detach()
     if ".lora_B." in name and not row_layer:
-        return all_gather_dim0(t.contiguous(), tp_group)
+        return 0
     if ".lora_A." in name and row_layer:
-        return all_gather_dim0(t.t().contiguous(), tp_group).t()
-    return t
+        return 1
+    return None
+
+
+def _full(name: str, t: torch.Tensor, tp_group) -> torch.Tensor:
+    """The whole adapter matrix from this rank's part."""
+    t, dim = t.detach(), _shard_dim(name)
+    if dim is None:
+        return t
+    return all_gather_dim0(t.transpose(0, dim).contiguous(), tp_group).transpose(0, dim)
 
 
 def save_peft_adapter(model, out_dir: str | os.PathLike, lora: LoRAConfig,
@@ -182,22 +190,15 @@ def load_peft_adapter(model, adapter_dir: str | os.PathLike, lora: LoRAConfig) -
     if theirs != ours:
         raise ValueError(f"lora_adapter_path={d}: its r, lora_alpha, target_modules {theirs} "
                          f"differ from the run's {ours}")
-    tp, rank = _tp(model)
+    tp, rank = group_size(model.tp_group), group_rank(model.tp_group)
     with torch.no_grad():
         for name, p in lora_state_dict(model).items():
             if name not in tensors:
                 raise ValueError(f"lora_adapter_path={d}: no tensor {name}")
-            full = tensors[name]
-            row_layer = name.split(".")[-3] in ("o_proj", "down_proj")
-            if ".lora_B." in name and not row_layer:
-                full = full.chunk(tp, dim=0)[rank]
-            elif ".lora_A." in name and row_layer:
-                full = full.chunk(tp, dim=1)[rank]
+            full, dim = tensors[name], _shard_dim(name)
+            if dim is not None:
+                full = full.chunk(tp, dim=dim)[rank]
             if full.shape != p.shape:
                 raise ValueError(f"lora_adapter_path={d}: {name} is {tuple(full.shape)}, this "
                                  f"model's {tuple(p.shape)}")
             p.copy_(full)
-
-
-def _tp(model) -> tuple[int, int]:
-    return group_size(model.tp_group), group_rank(model.tp_group)

@@ -14,7 +14,7 @@ from hybridengine.config import uses_critic, uses_reference
 from hybridengine.hybrid.generator import max_prefill_tokens
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
-from hybridengine.rl.residency import PHASE_USES, offload_parts
+from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
 from hybridengine.train.memory_advice import fit_error, kv_slots_short
 from hybridengine.train.memory_plan import MemoryPlan, RoleSpec, RolloutSpec, plan_memory
 
@@ -106,6 +106,17 @@ def _megatron(cfg, role: str):
     return {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic}[role].megatron
 
 
+def _run_roles(cfg) -> tuple[str, ...]:
+    """The roles with weights of their own in this run."""
+    return ("actor",) + (("ref",) if uses_reference(cfg) else ()) + \
+        (("critic",) if uses_critic(cfg) else ())
+
+
+def replica_sequences(cfg, layout) -> int:
+    """Sequences one generation replica gets per step (the batch over the rollout's DP)."""
+    return -(-cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // layout.rollout.dp)
+
+
 def resolve_auto_offload(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
                          device: torch.device) -> list[str]:
     """Replace every `auto` offload flag of the loaded tree `cfg` (in place) with what the memory
@@ -115,20 +126,16 @@ def resolve_auto_offload(cfg, layout, actor_model: ModelConfig, critic_model: Mo
     a generation replica's whole batch (at most max_num_seqs) at once; when no prefix holds the
     batch, the shortest that fits with the most KV slots; when none fits, all false (preflight
     then reports the plan's error and the settings that would fit)."""
-    auto = [(role, flag) for role in ("actor", "ref", "critic") for flag in
-            ("param_offload", "grad_offload", "optimizer_offload")
+    auto = [(role, flag) for role in ("actor", "ref", "critic") for flag in OFFLOAD_FLAGS.values()
             if getattr(_megatron(cfg, role), flag, None) == "auto"]
     for role, flag in auto:
         setattr(_megatron(cfg, role), flag, False)
     budget = device_budget(cfg, device)
     if budget is None or not auto:
         return []
-    roles = {"actor"} | ({"ref"} if uses_reference(cfg) else set()) | \
-        ({"critic"} if uses_critic(cfg) else set())
     steps = [(role, flag, value) for role, flag, value in _AUTO_ORDER
-             if (role, flag) in auto and role in roles]
-    r = cfg.actor_rollout_ref.rollout
-    wanted = min(r.max_num_seqs, -(-cfg.data.train_batch_size * r.n // layout.rollout.dp))
+             if (role, flag) in auto and role in _run_roles(cfg)]
+    wanted = min(cfg.actor_rollout_ref.rollout.max_num_seqs, replica_sequences(cfg, layout))
     best = None                 # (kv slots, -prefix length) of the best prefix that fits
     for n in range(len(steps) + 1):
         for role, flag, value in steps[:n]:
@@ -161,13 +168,9 @@ def memory_errors(cfg, layout, actor_model, critic_model, device: torch.device) 
 def offload_summary(cfg) -> str:
     """The offload in effect, e.g. "actor grads, optimizer (host_step); ref params", or "none"."""
     parts = []
-    for role in ("actor", "ref", "critic"):
-        if (role == "ref" and not uses_reference(cfg)) or (role == "critic"
-                                                           and not uses_critic(cfg)):
-            continue
+    for role in _run_roles(cfg):
         m = _megatron(cfg, role)
-        on = [part for part, flag in (("params", "param_offload"), ("grads", "grad_offload"),
-                                      ("optimizer", "optimizer_offload"))
+        on = [part for part, flag in OFFLOAD_FLAGS.items()
               if getattr(m, flag, False) in (True, "host_step")]
         if getattr(m, "optimizer_offload", False) == "host_step":
             on[-1] = "optimizer (host_step)"
@@ -183,7 +186,5 @@ def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) 
     where = f", device budget {budget / 2**30:.1f} GiB" if budget else ""
     lines = [f"memory plan (GiB per rank, the heaviest rank of each phase{where}):",
              *plan.table().splitlines(), f"offloaded to the host: {offload_summary(cfg)}"]
-    per_replica = -(-cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-                    // layout.rollout.dp)
-    warning = kv_slots_short(plan, per_replica)
+    warning = kv_slots_short(plan, replica_sequences(cfg, layout))
     return lines + ([f"warning: {warning}"] if warning else [])
