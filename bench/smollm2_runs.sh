@@ -3,7 +3,8 @@
 # (one call runs at most 10 minutes; a run started with setsid lives on while the machine stays
 # warm, ~30 s between calls). Needs $HOME/smollm2/hf (bench/smollm2_to_gpu.sh gpu) and the
 # wheels of .gguf_parts/whl installed in /tmp/site (the same script does it).
-#   bash bench/smollm2_runs.sh start NAME [overrides...]   NAME: grpo | ppo | gsm8k
+#   bash bench/smollm2_runs.sh start NAME [overrides...]   NAME: grpo | ppo | gsm8k, or a
+#                                                           variant of one: grpo_lr1e5 ...
 #   bash bench/smollm2_runs.sh wait SECONDS                 sleep while any run is alive, then
 #                                                           report; copies metrics/logs to $OUT
 #   bash bench/smollm2_runs.sh check NAME                   the last checkpoint loads in
@@ -16,7 +17,7 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 RUNS="${HOME:-/root}/runs"
 mkdir -p "$RUNS"
 
-config() { case $1 in
+config() { case ${1%%_*} in     # grpo_lr1e5 etc.: a variant of grpo (its own name and directory)
   grpo) echo configs/arith_smollm2.yaml ;;
   ppo) echo configs/arith_smollm2_ppo.yaml ;;
   gsm8k) echo configs/gsm8k_smollm2.yaml ;;
@@ -33,7 +34,7 @@ data() {
 start() {
   local name=$1; shift
   local cfg; cfg=$(config "$name") || exit 2
-  data "$name"
+  data "${name%%_*}"
   date +%s > "$RUNS/$name.start"
   setsid nohup torchrun --nproc_per_node=1 --master_port $((29500 + RANDOM % 1000)) \
     launch/ppo.py --config "$cfg" trainer.default_local_dir="$RUNS/$name" "$@" \

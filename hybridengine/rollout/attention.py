@@ -164,10 +164,14 @@ class DecodeContext:
                  positions: torch.Tensor, backend: str, max_k: int,
                  cu_q: torch.Tensor | None = None, cu_k_tail: torch.Tensor | None = None,
                  slot_positions: torch.Tensor | None = None,
-                 settings: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS):
+                 settings: RolloutKernelSettings | None = None):
         self.cache, self.layer_start, self.backend = cache, layer_start, backend
         self.slots, self.max_k = slots, max_k
-        s = settings            # the triton kernels' arguments (constants under torch.compile)
+        # the triton kernels' arguments (constants under torch.compile). No settings object as
+        # a default argument: torch 2.11's dynamo builds this class inside the compiled decode
+        # step through a polyfill that cannot wrap a default value of a user class, and broke
+        # the graph there (one graph more than compile_steps documents; H200, session 12)
+        s = DEFAULT_KERNEL_SETTINGS if settings is None else settings
         self.launch = dict(block_n=s.decode_block_n, num_warps=s.decode_num_warps,
                            num_stages=s.decode_num_stages)
         self.rope_launch = dict(self.launch, pdl=s.pdl, prefetch_keys=s.decode_prefetch_keys)

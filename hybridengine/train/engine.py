@@ -282,5 +282,18 @@ def compile_decoder_layers(model: Decoder, backend: str = "inductor") -> None:
     a process compiles one graph per grad mode (forward-only, training) and layer setup (dtype,
     TP / SP), whatever the micro-batches' lengths (tests/test_compile_bound.py). Tests pass
     backend="aot_eager" to run the same setup on the CPU."""
+    options = training_inductor_options() if backend == "inductor" else None
     for layer in model.layers:
-        layer.compile(dynamic=True, backend=backend)
+        layer.compile(dynamic=True, backend=backend, options=options)
+
+
+def training_inductor_options() -> dict:
+    """Inductor options of the compiled training layers. Inductor fuses a norm's two backward
+    reductions of different loop orders (its mix-order reduction) only above 5 Mi elements;
+    with T dynamic that choice becomes a guard on T (576*T < 5242880 at hidden 576), so a
+    micro-batch that crossed it compiled the layers again mid-run (0.7-2.7 s at steps 3 and 21
+    of SmolLM2 GRPO runs on an H200, bench/RESULTS.md 2026-12-01 session 12). Off, the layers
+    keep one graph per grad mode whatever the micro-batches' lengths."""
+    from torch._inductor import config
+    return {"triton.mix_order_reduction": False} \
+        if hasattr(config.triton, "mix_order_reduction") else {}
