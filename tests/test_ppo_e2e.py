@@ -87,7 +87,12 @@ CPU_SIZES = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_
 
 def test_seed_command_ppo_runs_two_steps(gsm8k_setup):
     out = gsm8k_setup / "ppo"
+    # 4 prompts (the 152k vocabulary costs seconds per forward on the CPU)
     _launch(SEED_COMMAND + CPU_SIZES + ["algorithm.use_kl_in_reward=True", "trainer.save_freq=2",
+                                        "data.train_batch_size=4",
+                                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                        "critic.ppo_micro_batch_size_per_gpu=2",
+                                        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                         f"trainer.default_local_dir={out}"], cwd=gsm8k_setup)
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2]

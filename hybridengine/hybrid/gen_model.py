@@ -53,7 +53,10 @@ def assign_weights(model: Decoder, tensors: dict[str, torch.Tensor]) -> None:
         _set_param(model, name, t)
 
 
-def release_weights(model: Decoder) -> None:
-    """Point every parameter at an empty meta tensor: the storage is freed, use fails loudly."""
+def release_weights(model: Decoder, names=None) -> None:
+    """Point every parameter (or those named) at an empty meta tensor: the storage is freed,
+    use fails loudly."""
+    wanted = None if names is None else set(names)
     for name, p in list(model.named_parameters()):
-        _set_param(model, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        if wanted is None or name in wanted:
+            _set_param(model, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))

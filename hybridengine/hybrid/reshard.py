@@ -27,6 +27,10 @@ keep_weights=True: then the arena and buckets stay allocated and every switch re
 the same addresses. A zero-copy generation model (t_g = t, p = 1: training parameters only)
 frees nothing by releasing, so it keeps its weights either way.
 
+A LoRA actor moves merged weights W + s·B·A (models.lora.base_weights), except with t_g < t
+and p = 1: then the base's generation shard moves once and only adapters after it
+(hybrid.lora_switch).
+
 Optional hooks: `offload()` runs first in to_generation (e.g. move optimizer state and gradients
 to CPU, making room for buckets and KV cache; it must leave the training parameters in place, as
 the gather reads them and a zero-copy generation model uses them); `reload()` runs last in
@@ -43,6 +47,8 @@ from torch.profiler import record_function
 
 from hybridengine.models.lora import base_weights
 from hybridengine.hybrid.gen_model import assign_weights, build_gen_decoder, release_weights
+from hybridengine.hybrid.lora_switch import adapted_layers, frozen_base, gather_adapters, \
+    merge_generation_weight
 from hybridengine.hybrid.plan import MODES, ReshardPlan, max_received_numel, plan_reshard
 from hybridengine.hybrid.program import ALIGN_BYTES, Copies, Program, compile_program, \
     new_arena, rect, weight_views
@@ -103,6 +109,11 @@ class HybridEngine:
         self._programs: dict[tuple, Program] = {}
         self._store = _Store()
         self._active = False
+        # LoRA with t_g < t, p = 1 (hybrid.lora_switch): the base's generation shard, gathered
+        # once per program, and the merged weights of the last switch (kept with keep_weights)
+        self._lora_base: tuple[Program, dict[str, torch.Tensor]] | None = None
+        self._lora_merged: dict[str, torch.Tensor] = {}
+        self._lora_names: list[str] = []
 
     def plan(self, dtype: torch.dtype) -> tuple[ReshardPlan, int]:
         """(plan of this rank's group, this rank's member index) for a rollout dtype (cached)."""
@@ -136,8 +147,10 @@ class HybridEngine:
         """This rank's generation shard (t_g, gen_tp_rank; all layers) as a Decoder."""
         if self._active:
             raise RuntimeError("to_generation() called twice without to_training()")
-        params = {n: p for n, p in base_weights(train_model)    # LoRA: merged (models.lora)
-                  if not n.startswith("value_head.")}
+        adapted = self._adapter_switches(train_model)
+        params = frozen_base(train_model) if adapted else \
+            {n: p for n, p in base_weights(train_model)    # LoRA: merged (models.lora)
+             if not n.startswith("value_head.")}
         first = next(iter(params.values()))
         device, dtype = first.device, self.dtype or first.dtype
         prog = self._program(params, dtype)          # checks the shard before anything moves
@@ -146,18 +159,59 @@ class HybridEngine:
         if self.model is None:
             self.model = build_gen_decoder(self.cfg, self.gen_mesh, prog.plan.gen_params,
                                            train_model)
-        if self._store.program is not prog:          # a new rollout / training dtype
-            self._store = _Store(prog)
-        stats, store = _Stats(), self._store
-        with torch.no_grad(), record_function("reshard"):
-            rebound = _bind(prog, params, store, dtype, device)
-            group_numel = int(self.bucket_mb * 2**20) // store.arena.element_size()
-            _run(prog, store, self.group, stats, group_numel)
-        if rebound:
-            assign_weights(self.model, store.bound[0])
+        stats, busiest = _Stats(), prog.busiest_bytes
+        if adapted:
+            with torch.no_grad(), record_function("reshard"):
+                busiest = self._lora_to_generation(prog, params, adapted, dtype, device, stats)
+        else:
+            if self._store.program is not prog:          # a new rollout / training dtype
+                self._store = _Store(prog)
+            store = self._store
+            with torch.no_grad(), record_function("reshard"):
+                rebound = _bind(prog, params, store, dtype, device)
+                _run(prog, store, self.group, stats, self._group_numel(store.arena))
+            if rebound:
+                assign_weights(self.model, store.bound[0])
         self._active = True
-        self._report("to_generation", t0, peak0, device, offload_s, stats, prog.busiest_bytes)
+        self._report("to_generation", t0, peak0, device, offload_s, stats, busiest)
         return self.model
+
+    def _group_numel(self, arena: torch.Tensor) -> int:
+        return int(self.bucket_mb * 2**20) // arena.element_size()
+
+    def _adapter_switches(self, train_model: Decoder) -> dict | None:
+        """The adapted layers when switches move adapters only (hybrid.lora_switch): a LoRA
+        actor in zero-redundancy mode with p = 1 and t_g < t. Otherwise None: merged weights
+        move (and none at all when t_g = t, p = 1: they are the generation weights)."""
+        lay = self.train_mesh.layout
+        if self.mode != "zero_redundancy" or lay.pp != 1 or self.gen_mesh.gen_tp == lay.tp:
+            return None
+        return adapted_layers(train_model) or None
+
+    def _lora_to_generation(self, prog: Program, params: dict, adapted: dict, dtype, device,
+                            stats: _Stats) -> int:
+        """The base's generation shard at the first switch (the program, then only its arena
+        is kept: M/t_g between switches), the adapters' gather and the merge at every switch.
+        Returns the bytes the busiest rank receives."""
+        busiest = 0
+        if self._lora_base is None or self._lora_base[0] is not prog:
+            store = _Store(prog)
+            _bind(prog, params, store, dtype, device)
+            _run(prog, store, self.group, stats, self._group_numel(store.arena))
+            self._lora_base, self._lora_merged = (prog, dict(store.bound[0])), {}
+            busiest = prog.busiest_bytes
+        k = self.train_mesh.layout.tp // self.gen_mesh.gen_tp
+        adapters, nbytes, calls = gather_adapters(adapted, self.group, k)
+        stats.bytes, stats.collectives = stats.bytes + nbytes, stats.collectives + calls
+        base, kept = self._lora_base[1], self._lora_merged
+        merged = {name: merge_generation_weight(base[name], layer.lora, adapters[name], k,
+                                                kept.get(name))
+                  for name, layer in adapted.items()}
+        if self.keep_weights:                # the same addresses at every switch
+            self._lora_merged = merged
+        self._lora_names = list(merged)
+        assign_weights(self.model, {**base, **merged})
+        return busiest + nbytes
 
     def to_training(self) -> SwitchReport:
         """Release the generation weights (unless keep_weights) and run the reload hook."""
@@ -165,7 +219,10 @@ class HybridEngine:
             raise RuntimeError("to_training() called without a preceding to_generation()")
         device = next(self.model.parameters()).device
         t0, peak0 = _start(device)
-        if not self.keep_weights and _holds_memory(self._store):
+        if self._lora_base is not None:      # adapter-only switches: the base shard stays
+            if not self.keep_weights:        # the merged weights go; the base views stay
+                release_weights(self.model, self._lora_names)
+        elif not self.keep_weights and _holds_memory(self._store):
             release_weights(self.model)
             self._store = _Store()
         self._active = False
