@@ -29,7 +29,7 @@ def stories_hd32(tmp_path_factory):
     return path
 
 
-def _run_tiny_job(model_dir, out_dir, name: str) -> list[dict]:
+def _run_tiny_job(model_dir, out_dir, name: str, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
            str(free_port()), str(ROOT / "launch" / "ppo.py"), "--config",
            str(ROOT / "configs" / "tiny.yaml"), f"actor_rollout_ref.model.path={model_dir}",
@@ -37,7 +37,7 @@ def _run_tiny_job(model_dir, out_dir, name: str) -> list[dict]:
            # not 1: both engines report the log-probs of the distribution they sampled from,
            # and the actor scores at the same temperature
            "actor_rollout_ref.rollout.temperature=0.7",
-           f"trainer.default_local_dir={out_dir}"]
+           f"trainer.default_local_dir={out_dir}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"{name} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -59,6 +59,22 @@ def test_grpo_tiny_job_with_vllm_logs_the_builtin_metrics(stories_hd32, tmp_path
     for r in vllm[1:]:
         assert r["response_length/mean"] > 0
         assert r["training/rollout_probs_diff_max"] < 1e-4, r    # vLLM's vs the actor's
+
+
+@pytest.mark.usefixtures("vllm_ok")
+def test_lora_actor_with_vllm_samples_from_the_merged_weights(stories_hd32, tmp_path):
+    """A LoRA actor (tp 2, rollout tp 1: the adapter-only switches) with vLLM: the weights vLLM
+    loads at each step are W + s·B·A, so its log-probs are the actor's as the adapters train."""
+    rows = _run_tiny_job(stories_hd32, tmp_path / "lora", "vllm",
+                         "actor_rollout_ref.model.lora_rank=8", "trainer.total_training_steps=2",
+                         "trainer.test_freq=-1", "trainer.val_before_train=False")
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # step 2's rollout is far from the base (the trained adapters: KL to the reference) and
+    # within 1e-4 of the actor: vLLM got the merged weights of step 1's adapters
+    assert steps[1]["actor/kl_loss"] > 1e-4, steps[1]
+    for r in steps:
+        assert r["training/rollout_probs_diff_max"] < 1e-4, r
 
 
 @pytest.mark.usefixtures("vllm_ok")

@@ -141,8 +141,6 @@ def _check_lora(cfg: DictConfig) -> Iterator[str]:
             resolve_targets(list(m.target_modules))
         except ValueError as e:
             yield f"{_M}{e}"
-        if cfg.actor_rollout_ref.rollout.name == "vllm":
-            yield f"{_M}lora_rank > 0 with {_R}name=vllm is not supported yet: use builtin"
     if cfg.critic.model.lora_rank and uses_critic(cfg):
         yield "critic.model.lora_rank > 0: a LoRA critic is not supported yet"
 
