@@ -141,8 +141,15 @@ def _check_lora(cfg: DictConfig) -> Iterator[str]:
             resolve_targets(list(m.target_modules))
         except ValueError as e:
             yield f"{_M}{e}"
-    if cfg.critic.model.lora_rank and uses_critic(cfg):
-        yield "critic.model.lora_rank > 0: a LoRA critic is not supported yet"
+    c = cfg.critic.model
+    if uses_critic(cfg) and c.lora_rank < 0:
+        yield f"critic.model.lora_rank={c.lora_rank} must be >= 0 (0: full-parameter training)"
+    if uses_critic(cfg) and c.lora_rank > 0:
+        from hybridengine.models.lora import resolve_targets
+        try:
+            resolve_targets(list(c.target_modules))
+        except ValueError as e:
+            yield f"critic.model.{e}"
 
 
 def _check_train_batches(cfg: DictConfig, section: str, role: Layout) -> Iterator[str]:

@@ -50,13 +50,21 @@ def _trained_offload(megatron) -> tuple[str, ...]:
     return offload_parts(megatron, True) + host_step
 
 
+def _lora_spec(model) -> dict:
+    """RoleSpec's LoRA fields of a role's model section (none without adapters)."""
+    if model.lora_rank <= 0:
+        return {}
+    return dict(lora_rank=model.lora_rank,
+                lora_targets=resolve_targets(list(model.target_modules)))
+
+
 def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
                     device: torch.device, device_bytes: int | None) -> MemoryPlan:
     """The plan of a loaded config tree or RunConfig (same key paths) on `layout` (RunLayout)."""
     arr, d = cfg.actor_rollout_ref, cfg.data
     seq = d.max_prompt_length + d.max_response_length
     a, r, m = arr.actor, arr.rollout, arr.model
-    lora = (m.lora_rank, resolve_targets(list(m.target_modules))) if m.lora_rank > 0 else (0, ())
+    lora = tuple(_lora_spec(m).values()) or (0, ())
     roles = {"actor": RoleSpec(
         actor_model, layout.actor, param_dtype(a.megatron.param_dtype, device),
         use_distributed_optimizer=a.megatron.use_distributed_optimizer,
@@ -84,7 +92,8 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
             train_tokens=_tokens(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu,
                                  c.ppo_micro_batch_size_per_gpu, seq),
             forward_tokens=_tokens(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
-                                   c.forward_micro_batch_size_per_gpu, seq))
+                                   c.forward_micro_batch_size_per_gpu, seq),
+            **_lora_spec(c.model))
     rollout = RolloutSpec(seq, layout.rollout.tp, param_dtype(r.dtype, device), r.max_num_seqs,
                           None, r.gpu_memory_utilization, max_prefill_tokens(seq),
                           cfg.trainer.hybrid_engine.reshard_bucket_mb)

@@ -117,9 +117,7 @@ class Trainer:
         # verl scores old / ref / current log-probs (and the entropy) at the rollout temperature,
         # so the ratio and the KL are those of the policy that sampled
         temperature = scoring_temperature(arr.rollout)
-        m = arr.model
-        lora = LoRAConfig(m.lora_rank, m.lora_alpha, tuple(m.target_modules),
-                          m.lora_save_merged, m.lora_adapter_path) if m.lora_rank > 0 else None
+        lora = _lora_config(arr.model)
         actor_engine = TrainEngine(
             arr.model.path, meshes.actor, dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
@@ -146,7 +144,8 @@ class Trainer:
                 recompute=bool(c.model.enable_gradient_checkpointing),
                 dtype=param_dtype(c.megatron.param_dtype, self.device), device=self.device,
                 sequence_parallel=lay.critic.sequence_parallel,
-                optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps))
+                optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps),
+                lora=_lora_config(c.model))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
         offload = {"actor": (actor_engine, offload_parts(a_meg, True))}
         if self.ref is not None and not self.ref.base_of_actor:
@@ -349,3 +348,10 @@ class Trainer:
                   f"// data.train_batch_size={s.batch_size} = {s.num_batches_per_epoch} per epoch "
                   f"x trainer.total_epochs={s.total_epochs})", flush=True)
 
+
+def _lora_config(model) -> LoRAConfig | None:
+    """A role's adapters from its model section (verl's keys), None without (lora_rank 0)."""
+    if model.lora_rank <= 0:
+        return None
+    return LoRAConfig(model.lora_rank, model.lora_alpha, tuple(model.target_modules),
+                      model.lora_save_merged, model.lora_adapter_path)

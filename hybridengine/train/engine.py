@@ -94,6 +94,8 @@ class TrainEngine:
             add_lora(self.model, lora.rank, lora.alpha, lora.target_modules)
             if lora.adapter_path is not None:
                 load_peft_adapter(self.model, lora.adapter_path, lora)
+            if self.model.value_head is not None:   # a critic's head trains (PEFT's
+                self.model.value_head.requires_grad_(True)     # modules_to_save)
         self.model.recompute_layers = recompute     # activation recomputation in train_step
         if compile_layers and self.device.type == "cuda":
             compile_decoder_layers(self.model)
@@ -259,7 +261,7 @@ class TrainEngine:
         directory (models.lora.save_peft_adapter) and, with save_merged, the merged model as a
         full HF directory in its merged/ folder."""
         self.require("params")
-        if self.lora is None:
+        if self.lora is None or self.model.value_head is not None:   # a critic: merged
             save_hf(self.model, out_dir, self.mesh, src_dir=self.model_dir, dtype=dtype)
             return
         save_peft_adapter(self.model, out_dir, self.lora, str(self.model_dir), self.mesh, dtype)
