@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo steady steady2 megatron; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl);
@@ -81,6 +81,15 @@ for p in $parts; do case $p in
            timeout "${T:-580}" torchrun --nproc_per_node=2 launch/ppo.py "$@" > "$RES/grpo_defaults_2gpu.log" 2>&1
            echo "torchrun rc=$?" | tee -a "$RES/session.log"
            run grpo_defaults_2gpu python3 tools/bench_ppo.py --summarize /tmp/steady2/out/metrics.jsonl --warmup 3 ;;
+  models)  # issues 23 and 24, one GPU: the memory plan against the measured peak with the
+           # defaults (offload=auto) at the Qwen2.5 shapes, then LoRA rank 64 (alpha 128) at 7B
+           # and 0.5B beside 0.5B full parameters; GRPO, fixed 512 + 256 tokens
+           data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
+           fixed="--workload fixed --algo grpo --defaults --steps 2 $data"
+           for m in ${MODELS:-1.5b 3b 7b}; do T=${T:-580} run "grpo_$m" python3 tools/bench_ppo.py $fixed --model "$m"; done
+           T=${T:-580} run grpo_7b_lora64 python3 tools/bench_ppo.py $fixed --model 7b --lora 64
+           T=${T:-580} run grpo_0.5b_lora64 python3 tools/bench_ppo.py $fixed --model 0.5b --lora 64
+           T=${T:-580} run grpo_0.5b python3 tools/bench_ppo.py $fixed --model 0.5b ;;
   ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            fast="--train-compile --rollout-compile --max-tokens 8192"
            T=${T:-600} run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
