@@ -92,6 +92,13 @@ def _check_layout(layout: Layout, rank: int, out: dict) -> None:
     spec = RoleSpec(CFG, layout, torch.bfloat16, bucket_mb=BUCKET_MB, lora_rank=4,
                     lora_targets=lora.target_modules)
     out[f"lora actor rank{rank}"] = _compare(engine, spec, mesh.pp_rank)
+    torch.manual_seed(0)                    # a LoRA critic: the value head trains as well
+    critic = TrainEngine(CRITIC_CFG, mesh, dtype=torch.bfloat16, optim=optim, value_head=True,
+                         lora=lora)
+    _one_step(critic, layout.tp, True)
+    critic_spec = RoleSpec(CRITIC_CFG, layout, torch.bfloat16, value_head=True,
+                           bucket_mb=BUCKET_MB, lora_rank=4, lora_targets=lora.target_modules)
+    out[f"lora critic rank{rank}"] = _compare(critic, critic_spec, mesh.pp_rank)
     for gen_tp in [t for t in (1, 2) if layout.tp % t == 0]:
         gen_layout = GenLayout(layout, gen_tp)
         hybrid = HybridEngine(CFG, mesh, build_gen_mesh(gen_layout), bucket_mb=0.05)
@@ -100,7 +107,7 @@ def _check_layout(layout: Layout, rank: int, out: dict) -> None:
         rollout = RolloutSpec(max_model_len=32, gen_tp=gen_tp, max_num_seqs=3,
                               reshard_bucket_mb=0.05)
         actor = RoleSpec(CFG, layout, torch.bfloat16)
-        p_arena, p_buffers, _ = mp.reshard_memory(actor, rollout, mesh.pp_rank)
+        p_arena, p_buffers, _, _ = mp.reshard_memory(actor, rollout, mesh.pp_rank)
         store = hybrid._store
         arena = 0 if store.arena is None else store.arena.numel() * store.arena.element_size()
         buffers = sum(b.numel() * b.element_size() for b in store.buffers)
@@ -113,6 +120,18 @@ def _check_layout(layout: Layout, rank: int, out: dict) -> None:
                                              "buffers": (buffers, p_buffers),
                                              "kv_cache": plan.kv_cache / kv}
         hybrid.to_training()
+        if layout.pp == 1 and gen_tp < layout.tp:   # LoRA: the base kept, merged weights per switch
+            lora_hybrid = HybridEngine(CFG, mesh, build_gen_mesh(gen_layout), bucket_mb=0.05)
+            lora_gen = lora_hybrid.to_generation(engine.model)
+            p_merged, _, _, p_kept = mp.reshard_memory(spec, rollout, 0)
+            base = lora_hybrid._lora_base[1]       # an unadapted weight lies in the kept arena
+            kept = base["layers.0.mlp.gate_up_proj.weight"].untyped_storage().nbytes()
+            merged = [p for n, p in lora_gen.named_parameters() if n in lora_hybrid._lora_names]
+            merged_bytes = sum(p.numel() * p.element_size() for p in merged)
+            assert p_kept == kept, (layout, gen_tp, p_kept, kept)
+            assert merged_bytes <= p_merged <= merged_bytes + 256 * len(merged), \
+                (layout, gen_tp, p_merged, merged_bytes)
+            lora_hybrid.to_training()
 
 
 def _kv_bytes(model, config: RolloutConfig) -> int:

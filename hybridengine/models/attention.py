@@ -107,18 +107,51 @@ def _(position_ids, inv_freq):
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """fp32 cos/sin tables for the rotate-half RoPE of Llama/Qwen2 (inv_freq = θ^(-2i/d)). The sin
-    table carries rotate-half's sign (first half negated), so that apply_rope needs no negation
-    kernel: the tables are built once per forward (rope_tables), the rotation runs per layer."""
+    """fp32 cos/sin tables for the rotate-half RoPE of Llama/Qwen (inv_freq = θ^(-2i/d), or its
+    scaled form: scaled_inv_freq). The sin table carries rotate-half's sign (first half negated),
+    so that apply_rope needs no negation kernel: the tables are built once per forward
+    (rope_tables), the rotation runs per layer."""
 
-    def __init__(self, head_dim: int, theta: float, device=None):
+    def __init__(self, head_dim: int, theta: float, device=None,
+                 scaling: tuple[tuple[str, object], ...] = (),
+                 max_position_embeddings: int | None = None):
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
-                               / head_dim))
+        if scaling:
+            inv = scaled_inv_freq(head_dim, theta, dict(scaling), max_position_embeddings)
+            inv = inv.to(device)
+        else:
+            inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                                device=device) / head_dim))
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
     def forward(self, position_ids: torch.Tensor):
         return rope_tables(position_ids, self.inv_freq)
+
+
+SCALED_ROPE_TYPES = ("linear", "llama3")
+
+
+def scaled_inv_freq(head_dim: int, theta: float, scaling: dict,
+                    max_position_embeddings: int | None = None) -> torch.Tensor:
+    """inv_freq [d/2] (fp32, CPU) of a scaled RoPE, scaling = HF rope_parameters without
+    rope_theta. Computed by transformers' own function for the type (ROPE_INIT_FUNCTIONS), on a
+    config holding only what it reads, so the frequencies are HF's bit for bit; only the types
+    that rescale the frequencies alone (SCALED_ROPE_TYPES: no length-dependent or attention
+    factor) are taken."""
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SCALED_ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} is not supported (supported: default, "
+                         f"{', '.join(SCALED_ROPE_TYPES)})")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    extra = {} if max_position_embeddings is None else \
+        {"max_position_embeddings": max_position_embeddings}
+    conf = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                       rope_parameters=dict(scaling, rope_theta=theta), **extra)
+    inv, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](conf, torch.device("cpu"))
+    if attention_factor != 1.0:     # (cos/sin would be scaled too: not modelled here)
+        raise ValueError(f"rope_type={rope_type!r} has attention factor {attention_factor}")
+    return inv
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

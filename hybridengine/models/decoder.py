@@ -1,12 +1,15 @@
-"""The Llama / Qwen2 decoder family, tensor-, sequence- and pipeline-parallel aware.
+"""The Llama / Qwen2 / Qwen3 decoder family, tensor-, sequence- and pipeline-parallel aware.
 
-RMSNorm, rotate-half RoPE (theta from the config), grouped-query attention, SwiGLU MLP, optional
-qkv bias (Qwen2), tied or untied embeddings, optional scalar value head (the critic).
+RMSNorm, rotate-half RoPE (theta and an optional linear / llama3 frequency scaling from the
+config), grouped-query attention, SwiGLU MLP, optional qkv bias (Qwen2), optional per-head RMSNorm
+of q and k before RoPE (Qwen3), tied or untied embeddings, optional scalar value head (the critic).
 
 Sharding (applied through the parallel layers; the math reads as the single-device model):
 - qkv_proj: one ColumnParallelLinear whose rank-r shard is [q_r; k_r; v_r] (q heads h_q/tp, kv heads
   h_kv/tp per rank), so one GEMM and one sequence-parallel all-gather per layer.
 - o_proj, down_proj: RowParallelLinear. gate_up_proj: ColumnParallelLinear, rank shard [gate_r; up_r].
+- q_norm / k_norm (Qwen3): [head_dim] weights shared by every head, so replicated on every TP
+  rank; a rank's gradient covers its own heads only and is summed over TP (with or without SP).
 - embed_tokens / lm head: vocab-parallel rows of the tp-padded vocabulary.
 - sequence parallel: the residual stream and the norms live on a [T/tp, H] block per rank.
 - pipeline: a stage owns layers [layer_start, layer_end); the first stage the embedding, the last
@@ -46,6 +49,10 @@ class ModelConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 4096
     model_type: str = "llama"
+    qk_norm: bool = False
+    # HF rope_parameters besides rope_theta, as sorted (key, value) pairs (rope_type included);
+    # () for the unscaled RoPE
+    rope_scaling: tuple[tuple[str, object], ...] = ()
 
     def check_tp(self, tp: int) -> None:
         if self.num_heads % tp:
@@ -59,7 +66,8 @@ class ModelConfig:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        layer = attn + 3 * h * self.intermediate_size + 2 * h + \
+            (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
 
@@ -97,12 +105,19 @@ class Attention(nn.Module):
                                              device=device)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, group,
                                         False, sp, dtype=dtype, device=device)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, x, cos, sin, ctx):
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
         qk, v = qk.view(-1, hq + hkv, d), v.view(-1, hkv, d)
+        if self.qk_norm:
+            # before RoPE (Qwen3), so the fused decode kernel below still only rotates
+            qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
         if getattr(ctx, "applies_rope", False):
             # the context rotates q and k inside its own kernel (the rollout's decode step:
             # RoPE, the K/V-cache write and attention in one launch)
@@ -162,7 +177,8 @@ class Decoder(nn.Module):
         self.recompute_layers = False
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
         self.layer_start, self.layer_end = stage_layers(cfg.num_layers, pp_size, pp_rank)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling,
+                                      cfg.max_position_embeddings)
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
                                                        self.sp, dtype, device)
@@ -179,12 +195,13 @@ class Decoder(nn.Module):
                 self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
                                                       False, dtype, device)
 
-        if self.sp:
-            # Replicated parameters applied to a sequence shard see only part of the tokens:
-            # their gradients are summed over the TP group (sync_sequence_parallel_grads).
-            for name, p in self.named_parameters():
-                if "norm" in name or name.startswith("value_head"):
-                    p.sequence_parallel = True
+        # Replicated parameters applied to a sequence shard see only part of the tokens, and
+        # q_norm / k_norm only this rank's heads: their gradients are summed over the TP group
+        # (sync_sequence_parallel_grads, the optimizer's tp_group).
+        for name, p in self.named_parameters():
+            head_shared = tp > 1 and name.endswith(("q_norm.weight", "k_norm.weight"))
+            if head_shared or (self.sp and ("norm" in name or name.startswith("value_head"))):
+                p.sequence_parallel = True
 
     @property
     def head_weight(self) -> torch.Tensor:

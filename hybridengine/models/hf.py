@@ -21,11 +21,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hybridengine.models.attention import SCALED_ROPE_TYPES
 from hybridengine.models.lora import base_weights
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.parallel.tensor import all_gather_dim0, group_size, padded_vocab_size
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3")
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")   # vocab-parallel rows (tp-padded)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -70,22 +71,47 @@ def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     if hf.model_type not in SUPPORTED:
         raise ValueError(f"model_type={hf.model_type!r} in {path} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")
-    rope = getattr(hf, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type={rope_type!r} in {path} is not supported (only 'default')")
-    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    _check_features(hf, path)
+    theta, scaling = _rope_config(hf, path)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     return ModelConfig(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta),
+        head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, rope_theta=theta,
         tie_word_embeddings=bool(hf.tie_word_embeddings),
-        attention_bias=True if hf.model_type == "qwen2" else bool(
-            getattr(hf, "attention_bias", False)),
-        max_position_embeddings=hf.max_position_embeddings, model_type=hf.model_type)
+        attention_bias=hf.model_type == "qwen2",       # Qwen2's q/k/v biases, always there
+        max_position_embeddings=hf.max_position_embeddings, model_type=hf.model_type,
+        qk_norm=hf.model_type == "qwen3", rope_scaling=scaling)
+
+
+def _check_features(hf, path: Path) -> None:
+    """Config switches the Decoder does not model: one line each, rather than other logits."""
+    if hf.model_type != "qwen2" and getattr(hf, "attention_bias", False):
+        # Llama / Qwen3 put it on o_proj as well, which the Decoder has no bias for
+        raise ValueError(f"attention_bias=true in {path} is not supported for "
+                         f"model_type={hf.model_type!r}")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError(f"mlp_bias=true in {path} is not supported")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError(f"use_sliding_window=true in {path} is not supported")
+
+
+def _rope_config(hf, path: Path) -> tuple[float, tuple[tuple[str, object], ...]]:
+    """(rope_theta, ModelConfig.rope_scaling) from the config's rope_parameters."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    if rope_type not in ("default", *SCALED_ROPE_TYPES):
+        raise ValueError(f"rope_type={rope_type!r} in {path} is not supported (supported: "
+                         f"default, {', '.join(SCALED_ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} in {path} is "
+                         f"not supported (only 1.0)")
+    if rope_type == "default":
+        return theta, ()
+    return theta, tuple(sorted(dict(rope, rope_type=rope_type).items()))
 
 
 @dataclass(frozen=True)
@@ -135,6 +161,8 @@ def param_plan(local_name: str, cfg: ModelConfig, tp: int, tp_rank: int,
         return [Piece(prefix + "mlp.down_proj.weight", 1, tp_rank * ffn, (tp_rank + 1) * ffn, 1)]
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return [Piece(prefix + rest, 0, 0, h)]
+    if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        return [Piece(prefix + rest, 0, 0, d)]     # one [head_dim] weight for every head
     raise KeyError(f"no HF mapping for parameter {local_name!r}")
 
 
@@ -306,6 +334,7 @@ def _write_config(model: Decoder, tmp: Path, src_dir, dtype) -> None:
         conf = json.loads((Path(src_dir) / "config.json").read_text())
     else:
         from transformers import AutoConfig
+        rope = dict(cfg.rope_scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
         conf = AutoConfig.for_model(
             cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -313,11 +342,10 @@ def _write_config(model: Decoder, tmp: Path, src_dir, dtype) -> None:
             head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
             tie_word_embeddings=cfg.tie_word_embeddings,
             max_position_embeddings=cfg.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}).to_dict()
+            rope_parameters=rope).to_dict()
     if model.value_head is not None:
-        arch = "Qwen2ForTokenClassification" if cfg.model_type == "qwen2" \
-            else "LlamaForTokenClassification"
-        conf.update(architectures=[arch], num_labels=1)
+        family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.model_type]
+        conf.update(architectures=[f"{family}ForTokenClassification"], num_labels=1)
     if dtype is not None:
         conf["dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(conf, indent=2))

@@ -19,7 +19,8 @@ else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_
   a = 2H/s + 2H + (q + 2kv) + 2(q + kv) + q + 4I + 2d elements saved per layer and token: norm
       inputs, the gathered inputs of qkv and gate_up (autograd keeps them; Megatron re-gathers),
       qkv, rotated q/k and their swap, attention output, gate/up, silu(gate), their product,
-      cos/sin (CUDA's saved tensors; the CPU kernels save a little more)
+      cos/sin (CUDA's saved tensors; the CPU kernels save a little more); + (q + kv) with
+      Qwen3's q/k norms (their inputs)
   training activations, stage r of p: (p - r) micro-batches in flight (1F1B) x layers·T·a·b;
       with recomputation layers·T·(H/s)·b (layer inputs) + one rebuilt layer T·a·b
   forward-only activations: one layer's working set T·(a + 2H/s)·b
@@ -113,7 +114,8 @@ class RoleMemory:
 class MemoryPlan:
     """phases: phase -> {"role.part": bytes} of the phase's heaviest rank; roles: RoleMemory on
     the peak's rank; kv_slots: cache rows for sequences (0: none fits), kv_limit: what capped
-    them (max_num_seqs | kv_cache_tokens | memory); reshard: arena + buffers, heaviest rank."""
+    them (max_num_seqs | kv_cache_tokens | memory); reshard: arena + buffers (+ a LoRA base
+    kept between switches), heaviest rank."""
 
     phases: dict[str, dict[str, int]]
     roles: dict[str, RoleMemory]
@@ -139,7 +141,7 @@ class MemoryPlan:
         ph = self.phases
         keys = {k for p in ph.values() for k in p}
         rows = [k for k in (f"{r}.{f}" for r in (*self.roles, "rollout") for f in (
-            *RoleMemory.__dataclass_fields__, "kv_cache", "reshard")) if k in keys]
+            *RoleMemory.__dataclass_fields__, "kv_cache", "reshard", "lora_base")) if k in keys]
         width, cols = max(map(len, rows + ["total"])), [max(len(p), 7) for p in ph]
 
         def line(name, cells):
@@ -165,9 +167,11 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
         n = f"layers.{layer}."
         out += [(n + "input_layernorm.weight", (h,)), (n + "self_attn.qkv_proj.weight", (qkv, h))]
         out += [(n + "self_attn.qkv_proj.bias", (qkv,))] if cfg.attention_bias else []
-        out += [(n + "self_attn.o_proj.weight", (h, q)), (n + "post_attention_layernorm.weight",
-                (h,)), (n + "mlp.gate_up_proj.weight", (2 * i, h)), (n + "mlp.down_proj.weight",
-                                                                     (h, i))]
+        out += [(n + "self_attn.o_proj.weight", (h, q))]
+        out += [(n + "self_attn.q_norm.weight", (d,)), (n + "self_attn.k_norm.weight", (d,))] \
+            if cfg.qk_norm else []
+        out += [(n + "post_attention_layernorm.weight", (h,)),
+                (n + "mlp.gate_up_proj.weight", (2 * i, h)), (n + "mlp.down_proj.weight", (h, i))]
     if last:
         out.append(("norm.weight", (h,)))
         if value_head:
@@ -195,7 +199,8 @@ def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool) -> float:
     """a: elements per token one decoder layer saves for backward (module docstring)."""
     h, d, s = cfg.hidden_size, cfg.head_dim, tp if sp else 1
     q, kv, i = cfg.num_heads * d / tp, cfg.num_kv_heads * d / tp, cfg.intermediate_size / tp
-    return 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d
+    qk_norm = q + kv if cfg.qk_norm else 0
+    return 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d + qk_norm
 
 
 def lora_numels(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, rank: int,
@@ -223,6 +228,8 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
     if spec.lora_rank:          # the base frozen: the optimizer's state is the adapters'
         trained = lora_numels(cfg, lay.tp, lay.pp, pp_rank, spec.lora_rank, spec.lora_targets)
         numels = numels + trained
+        if spec.value_head and pp_rank == lay.pp - 1:
+            trained = trained + [cfg.hidden_size]        # the value head trains beside them
     grads = master = 0
     if spec.trained:
         shards = lay.dp if spec.use_distributed_optimizer else 1
@@ -246,16 +253,21 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
                       int(Tf * (a + 2 * h / s) * b), fwd_logits)
 
 
-def reshard_memory(actor: RoleSpec, g: RolloutSpec, pp_rank: int) -> tuple[int, int, int]:
-    """(arena, gather buffers, training weights the generation model shares) in bytes on a rank
-    of actor stage `pp_rank` (hybrid/plan.py, program.py; zero_redundancy mode: the naive
-    baseline also holds the full model)."""
+def reshard_memory(actor: RoleSpec, g: RolloutSpec,
+                   pp_rank: int) -> tuple[int, int, int, int]:
+    """(arena, gather buffers, training weights the generation model shares, generation weights
+    kept between switches) in bytes on a rank of actor stage `pp_rank` (hybrid/plan.py,
+    program.py; zero_redundancy mode: the naive baseline also holds the full model). A LoRA
+    actor with t_g < t and p = 1 keeps its base's generation shard (hybrid.lora_switch): that
+    is the kept part, and the arena of a switch is then the merged adapted weights."""
     cfg, lay, e = actor.cfg, actor.layout, g.dtype.itemsize
     gen = stage_params(cfg, g.gen_tp,
                        vocab_rows=padded_vocab_size(cfg.vocab_size, lay.tp) // g.gen_tp)
-    # LoRA: the generation weights are merged copies (W + s·B·A), never the training tensors
+    # LoRA: the generation weights are merged copies (W + s·B·A), never the training tensors,
+    # unless only adapters move (then the base's generation shard is built as without LoRA)
+    adapter_switches = bool(actor.lora_rank) and lay.pp == 1 and g.gen_tp < lay.tp
     mine = dict(stage_params(cfg, lay.tp, lay.pp, pp_rank)) \
-        if actor.dtype == g.dtype and not actor.lora_rank else {}
+        if actor.dtype == g.dtype and (not actor.lora_rank or adapter_switches) else {}
     if lay.pp > 1 and cfg.tie_word_embeddings:
         mine.pop("lm_head.weight", None)     # the last stage's copy is never read
     align = max(1, ARENA_ALIGN_BYTES // e)
@@ -267,7 +279,18 @@ def reshard_memory(actor: RoleSpec, g: RolloutSpec, pp_rank: int) -> tuple[int, 
         cap = max(1, int(g.reshard_bucket_mb * 2**20) // e // members)
         per_member = -(-arena // members)
         buffers = (1 if per_member <= cap else 2) * members * min(cap, per_member)
-    return arena * e, buffers * e, shared * actor.dtype.itemsize
+    kept = 0
+    if adapter_switches:
+        layers = {_LORA_LAYER[t] for t in actor.lora_targets}
+        adapted = {n for n, _ in gen if n.endswith(".weight") and n.split(".")[-2] in layers}
+        kept, arena = arena, sum(padded(s) for n, s in gen if n in adapted)
+    return arena * e, buffers * e, shared * actor.dtype.itemsize, kept * e
+
+
+# the fused Decoder layer of each HF module an adapter may target (models.lora)
+_LORA_LAYER = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+               "down_proj": "down_proj"}
 
 
 def rollout_fixed(actor: RoleSpec, g: RolloutSpec) -> tuple[int, int]:
@@ -297,6 +320,8 @@ def _phase(phase, roles, mems, stages, uses, gen, rs) -> dict[str, int]:
         out["actor.weights"] = rs[2]        # parked, except what the generation model uses
     if gen is not None and phase in ("reshard", "rollout"):
         out["rollout.reshard"] = rs[0] + rs[1]
+    if gen is not None and rs[3]:
+        out["rollout.lora_base"] = rs[3]     # the base's generation shard, moved once
     return out
 
 
@@ -341,5 +366,5 @@ def plan_memory(roles: Mapping[str, RoleSpec], rollout: RolloutSpec | None,
     peak = max(phases, key=lambda p: sum(plan_phases[p].values())) if phases else None
     combo = heaviest[peak][0] if peak else combos[0]
     return MemoryPlan(plan_phases, {r: mems[r, st] for r, st in zip(roles, combo)}, kv_cache,
-                      slots, limit, max((a + b for a, b, _ in resh.values()), default=0),
+                      slots, limit, max((a + b + k for a, b, _, k in resh.values()), default=0),
                       (roles, rollout, dict(phase_uses), device_bytes))
