@@ -6,7 +6,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybridengine"
 # lower number = lower layer; a module may import from layers with a number <= its own
-LAYER = {"parallel": 0, "compiling": 0, "kernels": 1, "models": 2, "train": 3,
+LAYER = {"parallel": 0, "compiling": 0, "device_memory": 0, "kernels": 1, "models": 2, "train": 3,
          "rollout": 3, "hybrid": 4, "rl": 5, "config": 5}
 
 

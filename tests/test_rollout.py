@@ -387,7 +387,8 @@ def test_stats_count_slots_and_the_sequences_that_waited():
 
     waves = slot_use(max_num_seqs=8, kv_cache_tokens=4 * 12)
     assert waves == SlotUse(num_slots=3, max_concurrent=3, num_seqs=8, num_waited=5)
-    assert waves.metrics() == {"rollout/num_slots": 3, "rollout/max_concurrent": 3}
+    assert waves.metrics() == {"rollout/num_slots": 3, "rollout/max_concurrent": 3,
+                               "rollout/preemptions": 0}
     assert waves.warning(max_num_seqs=8) == (
         "the rollout ran in waves: a generation replica got 8 sequences but its KV cache holds 3 "
         "(rollout/num_slots): at most 3 ran at once, 5 waited for a free slot; the memory left "

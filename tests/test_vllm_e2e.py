@@ -51,8 +51,8 @@ def test_grpo_tiny_job_with_vllm_logs_the_builtin_metrics(stories_hd32, tmp_path
     builtin = _run_tiny_job(stories_hd32, tmp_path / "builtin", "builtin")
     assert [r["step"] for r in vllm] == [r["step"] for r in builtin] == [0, 1, 2, 3]
     # the same metrics, but for the built-in engine's own KV-cache slots (rollout/num_slots,
-    # rollout/max_concurrent: vLLM's paged cache has no such figures)
-    own = {"rollout/num_slots", "rollout/max_concurrent"}
+    # rollout/max_concurrent, rollout/preemptions: vLLM's paged cache has no such figures)
+    own = {"rollout/num_slots", "rollout/max_concurrent", "rollout/preemptions"}
     for a, b in zip(vllm, builtin):
         assert sorted(a) == sorted(set(b) - own), (a["step"], set(a) ^ (set(b) - own))
         assert a["step"] == 0 or own <= set(b)

@@ -11,8 +11,8 @@ generation Decoder itself; replicas are the gen-DP groups of the HybridFlow layo
 are blocks of t_g consecutive ranks, vLLM's layout).
 
 Generated.slots says how the built-in engine's KV-cache slots held the batch (SlotUse: the
-trainer's rollout/num_slots and rollout/max_concurrent, and a warning when it ran in waves),
-exchanged in the all-gather of the response widths.
+trainer's rollout/num_slots, rollout/max_concurrent and rollout/preemptions, and a warning when
+it ran in waves), exchanged in the all-gather of the response widths.
 
 pop_metrics() also reports the process's torch.compile time since its last call (rollout and
 training layers alike: hybridengine.compiling.CompileWatch; 0 when nothing compiled, a vLLM
@@ -51,16 +51,20 @@ def max_prefill_tokens(max_model_len: int) -> int:
 class SlotUse:
     """The built-in engine's KV-cache slots in one generation of one replica (Engine.stats):
     num_slots, the sequences its cache holds at once; max_concurrent, the most that ran at
-    once; num_seqs, the replica's batch; num_waited, those that found every slot taken."""
+    once; num_seqs, the replica's batch; num_waited, those that found every slot taken;
+    num_preemptions, sequences whose KV blocks were taken back and recomputed (the paged
+    layout, RolloutConfig.kv_layout; always 0 with static rows)."""
 
     num_slots: int
     max_concurrent: int
     num_seqs: int
     num_waited: int
+    num_preemptions: int = 0
 
     def metrics(self) -> dict:
         return {"rollout/num_slots": self.num_slots,
-                "rollout/max_concurrent": self.max_concurrent}
+                "rollout/max_concurrent": self.max_concurrent,
+                "rollout/preemptions": self.num_preemptions}
 
     def warning(self, max_num_seqs: int) -> str | None:
         """One line when the batch ran in waves (the slots ran out), naming what capped them;
@@ -196,12 +200,13 @@ class Generator:
         if not num_prompts:
             return SlotUse(0, 0, 0, 0)
         s = engine.stats
-        return SlotUse(s["num_slots"], s["max_concurrent"], s["num_seqs"], s["num_waited"])
+        return SlotUse(s["num_slots"], s["max_concurrent"], s["num_seqs"], s["num_waited"],
+                       s["num_preemptions"])
 
     def _exchange(self, width: int, slots: SlotUse | None) -> tuple[int, SlotUse | None]:
         """One all-gather over the world: the longest response of any rank, and the SlotUse of
         the rank whose sequences waited most (Generated.slots)."""
-        row = [width, *(astuple(slots) if slots is not None else (0, 0, 0, 0))]
+        row = [width, *(astuple(slots) if slots is not None else astuple(SlotUse(0, 0, 0, 0)))]
         world = self.gen_mesh.world_group
         rows = [row]
         if world is not None:

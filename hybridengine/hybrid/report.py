@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridengine.device_memory import max_allocated
+
 
 @dataclass
 class SwitchReport:
@@ -28,7 +30,7 @@ class SwitchReport:
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated device memory on CUDA; peak resident set size of the process on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return max_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30   # Linux: KiB
 
 

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from hybridengine.device_memory import max_allocated
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.flops import decoder_flops
 
@@ -102,7 +103,7 @@ def perf_metrics(batch: Batch, timings: dict[str, float], flops: dict[str, float
     peak = peak or _cpu_peak(max(rates.values()))
     out.update({key: rate / peak for key, rate in rates.items()})
     if device.type == "cuda":
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        out["perf/max_memory_allocated_gb"] = max_allocated() / 2**30
     return out
 
 

@@ -20,6 +20,7 @@ allocates it again.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from hybridengine.parallel.tensor import all_reduce
 from hybridengine.rollout.kv_cache import SlotAllocator
 from hybridengine.rollout.model_runner import ModelRunner, Pending
+from hybridengine.rollout.paged_runner import PagedModelRunner
+from hybridengine.rollout.paged_scheduler import PagedScheduler
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams, sequence_key
 from hybridengine.rollout.scheduler import Scheduler, Sequence
@@ -94,7 +97,10 @@ class Engine:
 
     After generate, self.stats: seconds and steps per phase, num_seqs, num_slots (sequences the
     KV cache holds at once), max_concurrent (the most that ran at once) and num_waited (those
-    that found every slot taken: the batch ran in waves).
+    that found every slot taken: the batch ran in waves), num_preemptions (0 with static rows).
+    With kv_layout="paged" (rollout/paged_runner.py: blocks, prefix sharing, preemption by
+    recompute; eager steps only), num_slots counts rows (max_num_seqs), and num_blocks and
+    num_prefix_cached_tokens (prompt tokens whose prefill a cached prefix skipped) join.
     """
 
     def __init__(self, model, config: RolloutConfig = RolloutConfig(), *, device=None,
@@ -108,7 +114,9 @@ class Engine:
                              f"max_model_len={max_model_len} (a prompt is prefilled in one step)")
         self.model, self.max_model_len = model, max_model_len
         self.config = replace(config, max_model_len=max_model_len)
-        self.runner = ModelRunner(model, self.config, max_model_len)
+        self.paged = config.kv_layout == "paged"
+        self.runner = (PagedModelRunner if self.paged else ModelRunner)(model, self.config,
+                                                                         max_model_len)
         # Steps whose finished flags are read only after the next step is queued: 1 on CUDA
         # (the host never waits for the step it just launched); tests set 1 on CPU too.
         self.steps_in_flight = 1 if self.runner.device.type == "cuda" else 0
@@ -136,14 +144,18 @@ class Engine:
         runner = self.runner
         runner.allocate()
         runner.begin(params, len(seqs), max(s.max_gen for s in seqs))
-        sched = Scheduler(SlotAllocator(runner.num_slots), self.config.max_prefill_tokens)
+        if self.paged:
+            sched = PagedScheduler(runner.block_tables(), runner.num_slots,
+                                   self.config.max_prefill_tokens)
+        else:
+            sched = Scheduler(SlotAllocator(runner.num_slots), self.config.max_prefill_tokens)
         # longest prompts first for the dense prefill (stable: a prompt's samples stay together);
         # the order of admission changes no sequence's tokens (each has its own random key)
         for s in sorted(seqs, key=lambda s: -len(s.prompt)) \
                 if runner.prefill_attention == "dense" else seqs:
             sched.add(s)
         timer = _StepTimer(runner.device)
-        self._run(sched, timer)
+        (self._run_paged if self.paged else self._run)(sched, timer)
         t_run = time.perf_counter()
         out = self._results(seqs, params)
         # host seconds before the first step and after the last one was retired (wall clock)
@@ -152,7 +164,11 @@ class Engine:
                           max_concurrent=sched.max_running, num_waited=sched.num_waited,
                           num_generated_tokens=sum(len(r.token_ids) for r in out),
                           attn_backend=runner.backend, prefill_attention=runner.prefill_attention,
-                          cuda_graphs=runner.use_graphs)
+                          cuda_graphs=runner.use_graphs, kv_layout=self.config.kv_layout,
+                          num_preemptions=sched.num_preemptions if self.paged else 0)
+        if self.paged:
+            self.stats.update(num_blocks=runner.num_blocks,
+                              num_prefix_cached_tokens=sched.num_prefix_cached_tokens)
         return out
 
     def _run(self, sched: Scheduler, timer: "_StepTimer") -> None:
@@ -172,6 +188,46 @@ class Engine:
                 max_k = min(self.max_model_len, max(s.num_cached for s in rows) + 1)
                 with timer("decode"):
                     pending.append(self.runner.decode([s.slot for s in rows], max_k))
+                for s in rows:
+                    s.num_cached += 1
+            while len(pending) > self.steps_in_flight:
+                self._retire(pending.popleft(), sched)
+        while pending:
+            self._retire(pending.popleft(), sched)
+
+    def _run_paged(self, sched: PagedScheduler, timer: "_StepTimer") -> None:
+        """_run over blocks: before a decode step that lacks blocks, retire every step in
+        flight (the host must know which rows still run and how many tokens each has), then
+        preempt the youngest and requeue them with their generated tokens."""
+        pending: deque[Pending] = deque()
+        while sched.has_unfinished:
+            groups = sched.schedule_prefill()
+            if groups:
+                with timer("prefill"):
+                    pending.append(self.runner.prefill(groups, sched.tables))
+            else:
+                rows = sched.decode_rows()
+                if pending and (not rows or _out_of_tokens(rows)):
+                    self._retire(pending.popleft(), sched)
+                    continue
+                if not rows:
+                    raise RuntimeError("paged scheduler: sequences wait but none runs or fits")
+                if sched.must_preempt():
+                    while pending:
+                        self._retire(pending.popleft(), sched)
+                    out = sched.preempt()
+                    sched.requeue(out, [self.runner.generated(s.slot, s.num_cached -
+                                                              len(s.prompt) + 1) for s in out])
+                    continue
+                max_k = min(self.max_model_len, max(s.num_cached for s in rows) + 1)
+                slots = sched.append_slots(rows)
+                ids = [s.seq_id for s in rows]
+                width = max(math.ceil(max_k / sched.tables.block_size),
+                            max(len(sched.tables.tables[i]) for i in ids))
+                tables = sched.tables.block_table(ids, width)
+                with timer("decode"):
+                    pending.append(self.runner.decode([s.slot for s in rows], slots, tables,
+                                                      max_k))
                 for s in rows:
                     s.num_cached += 1
             while len(pending) > self.steps_in_flight:

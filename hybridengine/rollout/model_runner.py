@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from hybridengine.device_memory import reset_peak
 from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.tensor import all_gather_dim0, all_reduce, group_size
 from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resolve_backend,
@@ -104,15 +105,9 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         num_layers = len(self.model.layers)
         bpt = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
-        budget, c = None, self.config
-        if c.kv_cache_tokens is None and self.device.type == "cuda":
-            budget = self._free_bytes_for_cache()
-            if self.tp > 1:
-                # the ranks of a replica schedule in lockstep (the logits' all-gather, the same
-                # slots every step): the smallest rank's room sizes everyone's cache
-                room = torch.tensor([budget], dtype=torch.long, device=self.device)
-                budget = int(all_reduce(room, self.tp_group, op=dist.ReduceOp.MIN).item())
-        S = plan_num_slots(c.max_num_seqs, self.max_model_len, bpt, c.kv_cache_tokens, budget)
+        c = self.config
+        S = plan_num_slots(c.max_num_seqs, self.max_model_len, bpt, c.kv_cache_tokens,
+                           self._cache_budget())
         L, dev = self.max_model_len, self.device
         self.cache = KVCache(num_layers, S, L, attn.num_kv_heads, attn.head_dim, self.dtype, dev)
         self.state = SlotState(S, L, dev)
@@ -142,13 +137,26 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _cache_budget(self) -> int | None:
+        """Bytes for the KV cache on CUDA without kv_cache_tokens (the same on every rank of
+        the replica), else None."""
+        if self.config.kv_cache_tokens is not None or self.device.type != "cuda":
+            return None
+        budget = self._free_bytes_for_cache()
+        if self.tp > 1:
+            # the ranks of a replica schedule in lockstep (the logits' all-gather, the same
+            # slots every step): the smallest rank's room sizes everyone's cache
+            room = torch.tensor([budget], dtype=torch.long, device=self.device)
+            budget = int(all_reduce(room, self.tp_group, op=dist.ReduceOp.MIN).item())
+        return budget
+
     def _free_bytes_for_cache(self) -> int:
         """gpu_memory_utilization · device memory, minus what is allocated now and the peak of a
         full prefill step plus sampling max_num_seqs rows (measured)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        reset_peak(self.device)            # (the run's peak is carried: device_memory)
         c = self.config
         with torch.no_grad():
             T, L = c.max_prefill_tokens, self.max_model_len

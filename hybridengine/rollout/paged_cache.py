@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridengine.rollout.kv_cache import write_rows
-
-DEFAULT_BLOCK_SIZE = 16      # vLLM's default: fine-grained sharing, a short table per sequence
+# (defined beside RolloutConfig.block_size, whose default it is; importable from here)
+from hybridengine.rollout.rollout_config import DEFAULT_BLOCK_SIZE  # noqa: F401
 
 
 class BlockAllocator:

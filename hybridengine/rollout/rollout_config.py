@@ -20,6 +20,10 @@ from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernel
 BACKENDS = ("auto", "triton", "flash", "flash_per_head", "sdpa")
 # prefill attention forms (rollout.attention.resolve_prefill_attention)
 PREFILL_ATTENTION = ("auto", "varlen", "dense")
+# KV-cache layouts: a max_model_len row per sequence (kv_cache.py) or blocks (paged_cache.py)
+KV_LAYOUTS = ("static", "paged")
+# tokens per block of the paged layout: vLLM's default, fine-grained sharing, a short table
+DEFAULT_BLOCK_SIZE = 16
 
 
 class CompileMode(Enum):
@@ -78,6 +82,11 @@ class RolloutConfig:
     # the Triton kernels' tiles and launches, PDL and the fused forms (the defaults are the
     # fastest measured)
     kernels: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS
+    # paged: blocks lent as sequences grow, prefix sharing, preemption (rollout/paged_runner.py);
+    # its steps run eagerly with the torch reference attention, whatever enforce_eager,
+    # compile, compile_prefill, attn_backend, prefill_attention and kernels say
+    kv_layout: str = "static"
+    block_size: int = DEFAULT_BLOCK_SIZE     # tokens per block (paged)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -91,5 +100,9 @@ class RolloutConfig:
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={self.prefill_attention!r} is not one of "
                              f"{', '.join(PREFILL_ATTENTION)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r} must be an int >= 1")
         check_compile_mode("compile", self.compile, "decode")
         check_compile_mode("compile_prefill", self.compile_prefill, "prefill")

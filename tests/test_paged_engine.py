@@ -1,0 +1,165 @@
+"""The engine with the paged KV cache (RolloutConfig.kv_layout="paged") against the static
+layout, token for token: greedy and seeded sampling with n > 1 (samples share their prompt's
+blocks), equal prompts in one batch (prefix-cache hits within a prefill), a cache so small that
+sequences are preempted and recomputed, finished flags read one step late (the CUDA schedule).
+Log-probs agree within 1e-5 (a recomputed or prefix-hit prefill rounds differently from decode
+steps). ~10 s on CPU."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridengine.hybrid.generator import Generator
+from hybridengine.models.hf import load_decoder
+from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.paged_cache import BlockAllocator, BlockTables
+from hybridengine.rollout.paged_scheduler import PagedScheduler
+from hybridengine.rollout.rollout_config import RolloutConfig
+from hybridengine.rollout.sampling import SamplingParams
+from hybridengine.rollout.scheduler import Sequence
+from model_utils import save_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_LEN = 40
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, top_k=20, max_tokens=24, seed=7)
+# 14 blocks of 4 (+1 scratch): one max_len sequence takes 10
+SMALL = dict(kv_cache_tokens=15 * 4)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_decoder(save_tiny(tmp_path_factory.mktemp("q") / "qwen2", "qwen2", tied=False))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    out = [torch.randint(3, 97, (n,), generator=g).tolist() for n in [5, 11, 3, 8, 1, 14, 9]]
+    return out + [out[1], out[5]]          # equal prompts in one batch
+
+
+def _generate(model, prompts, params, lag=0, **kw):
+    engine = Engine(model, RolloutConfig(max_num_seqs=kw.pop("max_num_seqs", 32),
+                                         max_model_len=MAX_LEN, max_prefill_tokens=128, **kw))
+    engine.steps_in_flight = lag
+    return engine.generate(prompts, params), engine
+
+
+def _assert_same(got, ref):
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+    assert [(r.prompt_index, r.sample_index) for r in got] == \
+        [(r.prompt_index, r.sample_index) for r in ref]
+    gap = max(abs(a - b) for r, q in zip(got, ref)
+              for x, y in ((r.logprobs, q.logprobs), (r.sampled_logprobs, q.sampled_logprobs))
+              for a, b in zip(x, y))
+    assert gap < 1e-5, gap
+
+
+@pytest.fixture(scope="module")
+def static_refs(model, prompts):
+    greedy, _ = _generate(model, prompts, GREEDY)
+    # a token that ends some greedy outputs early and not others
+    stop = next(t for t in greedy[0].token_ids[2:]
+                if any(t not in r.token_ids for r in greedy[1:]))
+    stopped = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(stop,))
+    return {"greedy": (GREEDY, greedy),
+            "stop": (stopped, _generate(model, prompts, stopped)[0]),
+            "sampled": (SAMPLED, _generate(model, prompts, SAMPLED)[0])}
+
+
+@pytest.mark.parametrize("case", ["greedy", "stop", "sampled"])
+@pytest.mark.parametrize("budget", ["ample", "small"])
+@pytest.mark.parametrize("lag", [0, 1])
+def test_paged_equals_static(model, prompts, static_refs, case, budget, lag):
+    params, ref = static_refs[case]
+    kw = SMALL if budget == "small" else {}
+    got, engine = _generate(model, prompts, params, lag=lag, kv_layout="paged", block_size=4,
+                            **kw)
+    _assert_same(got, ref)
+    s = engine.stats
+    assert s["kv_layout"] == "paged" and not s["cuda_graphs"]
+    # equal prompts (and the n samples' later admissions) hit the prefix cache
+    assert s["num_prefix_cached_tokens"] > 0
+    if budget == "small":
+        assert s["num_blocks"] == 14 and s["num_preemptions"] > 0
+        # what the trainer logs (hybrid.generator.SlotUse from Engine.stats)
+        use = Generator._slot_use(SimpleNamespace(backend="builtin"), engine, len(prompts))
+        assert use.metrics()["rollout/preemptions"] == s["num_preemptions"]
+    else:
+        assert s["num_blocks"] == 32 * 10 and s["num_preemptions"] == 0
+    if case == "stop":
+        assert {r.finish_reason for r in got} == {"stop", "length"}
+
+
+def test_few_rows_run_in_waves_and_default_block_size(model, prompts, static_refs):
+    params, ref = static_refs["sampled"]
+    got, engine = _generate(model, prompts, params, max_num_seqs=4, kv_layout="paged")
+    _assert_same(got, ref)
+    s = engine.stats
+    assert s["num_slots"] == s["max_concurrent"] == 4 and s["num_waited"] > 0
+    assert engine.runner.block_size == 16
+
+
+def test_generate_again_and_after_free_cache(model, prompts, static_refs):
+    """The prefix cache is emptied at each generate (the weights may have changed)."""
+    params, ref = static_refs["greedy"]
+    engine = Engine(model, RolloutConfig(max_num_seqs=8, max_model_len=MAX_LEN,
+                                         max_prefill_tokens=128, kv_layout="paged",
+                                         block_size=4, **SMALL))
+    _assert_same(engine.generate(prompts, params), ref)
+    with torch.no_grad():                    # new weights: cached K/V would be stale
+        for p in model.parameters():
+            p.mul_(1.5)
+    try:
+        scaled_ref, _ = _generate(model, prompts, params)
+        _assert_same(engine.generate(prompts, params), scaled_ref)
+    finally:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.div_(1.5)
+    engine.free_cache()
+    assert engine.runner.cache is None and engine.runner.allocator is None
+    _assert_same(engine.generate(prompts, params), ref)
+
+
+def test_bad_settings_one_line_errors(model):
+    with pytest.raises(ValueError, match=r"^kv_layout='rows' is not one of static, paged$"):
+        RolloutConfig(kv_layout="rows")
+    with pytest.raises(ValueError, match=r"^block_size=0 must be an int >= 1$"):
+        RolloutConfig(block_size=0)
+    engine = Engine(model, RolloutConfig(max_model_len=MAX_LEN, kv_layout="paged",
+                                         block_size=4, kv_cache_tokens=10 * 4))
+    with pytest.raises(ValueError, match=r"kv_cache_tokens=40 holds 9 blocks .* < 10, one "
+                                         r"sequence of max_model_len=40 tokens"):
+        engine.generate([[1, 2]], GREEDY)
+
+
+def test_scheduler_shares_blocks_keeps_rows_and_requeues_oldest_first():
+    tables = BlockTables(BlockAllocator(5, 4))
+    sched = PagedScheduler(tables, num_rows=4, max_prefill_tokens=64)
+    prompt = [1, 2, 3, 4, 5, 6]                       # a full block and a tail of 2
+    for j in range(3):
+        sched.add(Sequence(j, 0, prompt, 10, 0))
+    sched.add(Sequence(3, 1, [7] * 3, 10, 0))
+    (group, other) = sched.schedule_prefill()
+    assert [s.seq_id for s in group.seqs] == [0, 1, 2] and group.start == 0
+    assert tables.tables[0][0] == tables.tables[1][0] == tables.tables[2][0]
+    assert tables.allocator.num_free == 0 and [s.slot for s in other.seqs] == [3]
+    for s in sched.decode_rows():                     # every tail block full
+        for _ in range(4 - s.num_cached % 4):
+            s.num_cached += 1
+            tables.append_slot(s.seq_id)
+    assert sched.must_preempt()
+    out = sched.preempt()
+    # the youngest first; sample 2 frees its own blocks only (its siblings hold the prompt's)
+    assert [s.seq_id for s in out] == [3, 2] and sched.num_preemptions == 2
+    assert tables.allocator.num_free == 2 and not sched.must_preempt()
+    sched.requeue(out, [[9], [8, 8]])
+    assert [s.seq_id for s in sched.waiting] == [2, 3]     # the oldest first, rows kept
+    assert [s.slot for s in sched.waiting] == [2, 3] and sched.rows.num_free == 0
+    tables.check()
