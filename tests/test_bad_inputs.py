@@ -187,7 +187,8 @@ def unsupported_model_type(tmp):
     conf = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(dict(conf, model_type="gpt2")))
     return lambda: read_model_config(d), ValueError, \
-        f"model_type='gpt2' in {d} is not supported (supported: llama, qwen2, qwen3)"
+        f"model_type='gpt2' in {d} is not supported (supported: llama, qwen2, qwen3, mistral, " \
+        f"gemma2, gemma3_text)"
 
 
 def tokenizer_missing(tmp):

@@ -7,7 +7,9 @@ batches are converted to this form (`unpad`), so the model has one code path.
 The decoder calls `ctx.attend(layer_idx, q, k, v)` with q [T, hq, d], k/v [T, hkv, d]; the context
 decides how (packed training attention here; the rollout engine supplies a KV-cache context).
 On CUDA, packed attention is torch's varlen flash kernel: no T×T mask ever exists. On CPU it runs
-a causal SDPA per sequence.
+a causal SDPA per sequence. A layer with an AttentionSpec (models.features: sliding window, logit
+soft-cap, query scale) passes it as `spec=`: flash varlen takes a window and a scale; a soft-cap
+(which no kernel here applies) runs per sequence in torch, with the scores of a sequence in full.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hybridengine.models.features import AttentionSpec, per_sequence_spec_attention
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -172,14 +176,27 @@ class PackedCausalAttention:
         self.max_seqlen = packed.max_seqlen
         self._bounds = None
 
-    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
-        if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
+    def attend(self, layer_idx: int, q, k, v, spec: AttentionSpec | None = None) -> torch.Tensor:
+        flash = q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16,
+                                                                       torch.bfloat16)
+        if spec is not None:
+            if flash and spec.softcap is None:
+                return self._varlen(q, k, v, spec)
+            if self._bounds is None:
+                self._bounds = self.cu.tolist()
+            return per_sequence_spec_attention(q, k, v, self._bounds, spec)
+        if flash:
             return self._varlen(q, k, v)
         return self._per_sequence(q, k, v)
 
-    def _varlen(self, q, k, v):
+    def _varlen(self, q, k, v, spec: AttentionSpec | None = None):
+        kw = {}
+        if spec is not None:    # the window counts the query's own token: flash's left is W - 1
+            kw = {"scale": spec.scale,
+                  "window_size": (-1 if spec.window is None else spec.window - 1, 0)}
         if not _VARLEN_GQA and k.shape[1] != q.shape[1]:
-            if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+            if spec is None and not (torch.is_grad_enabled() and
+                                     (q.requires_grad or k.requires_grad)):
                 # a torch whose varlen_attn lacks enable_gqa (2.11): the aten flash kernel it
                 # wraps takes fewer K/V heads natively, so inference (the rollout's prefill)
                 # repeats no K/V (on an H200 the repeat cost 4 ms of a 0.25 s prefill);
@@ -189,9 +206,10 @@ class PackedCausalAttention:
                     False)[0]
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        kw = {"enable_gqa": True} if _VARLEN_GQA else {}
-        return _varlen_attn(q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen,
-                            window_size=(-1, 0), **kw)
+        kw.setdefault("window_size", (-1, 0))
+        if _VARLEN_GQA:
+            kw["enable_gqa"] = True
+        return _varlen_attn(q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen, **kw)
 
     def _per_sequence(self, q, k, v):
         if torch.compiler.is_compiling():

@@ -1,8 +1,13 @@
-"""The Llama / Qwen2 / Qwen3 decoder family, tensor-, sequence- and pipeline-parallel aware.
+"""The Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 decoder family, tensor-, sequence- and
+pipeline-parallel aware.
 
 RMSNorm, rotate-half RoPE (theta and an optional linear / llama3 frequency scaling from the
 config), grouped-query attention, SwiGLU MLP, optional qkv bias (Qwen2), optional per-head RMSNorm
-of q and k before RoPE (Qwen3), tied or untied embeddings, optional scalar value head (the critic).
+of q and k before RoPE (Qwen3, Gemma 3), tied or untied embeddings, optional scalar value head (the
+critic). Sliding-window layers (Mistral: all; Gemma: by layer_types). Gemma: embeddings scaled by
+√hidden, (1 + w) RMSNorms also after attention and MLP, GeGLU (tanh gelu), a query scale of
+query_pre_attn_scalar^-½, attention- and final-logit soft-capping (Gemma 2), a second RoPE base
+for sliding layers (Gemma 3). Those features live in models.features.
 
 Sharding (applied through the parallel layers; the math reads as the single-device model):
 - qkv_proj: one ColumnParallelLinear whose rank-r shard is [q_r; k_r; v_r] (q heads h_q/tp, kv heads
@@ -29,6 +34,8 @@ from torch.utils.checkpoint import checkpoint
 from hybridengine.kernels import fused_linear_logprob_entropy
 from hybridengine.models.attention import PackedCausalAttention, PackedInput, RotaryEmbedding, \
     apply_rope
+from hybridengine.models.features import AttentionSpec, GemmaRMSNorm, activation, softcap
+from hybridengine.parallel.vocab import vocab_parallel_logprob_entropy
 from hybridengine.parallel.tensor import ColumnParallelLinear, RowParallelLinear, \
     VocabParallelEmbedding, copy_to_tp, gather_from_sp, gather_from_sp_copy, group_size, \
     all_gather_dim0
@@ -53,6 +60,35 @@ class ModelConfig:
     # HF rope_parameters besides rope_theta, as sorted (key, value) pairs (rope_type included);
     # () for the unscaled RoPE
     rope_scaling: tuple[tuple[str, object], ...] = ()
+    # keys per query on sliding layers (its own token included); None: no sliding layer
+    sliding_window: int | None = None
+    # "sliding_attention" / "full_attention" per layer; (): every layer slides when
+    # sliding_window is set (Mistral)
+    layer_types: tuple[str, ...] = ()
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
+    rope_local_theta: float | None = None     # Gemma 3's sliding layers (default RoPE)
+
+    @property
+    def gemma(self) -> bool:
+        """(1 + w) norms around attention and MLP, embeddings scaled by √hidden."""
+        return self.model_type in ("gemma2", "gemma3_text")
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def attention_spec(self, layer: int) -> AttentionSpec | None:
+        """None for plain causal softmax(q·kᵀ/√d): the contexts' fast kernels apply."""
+        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+        if scale == self.head_dim ** -0.5:
+            scale = None
+        spec = AttentionSpec(self.sliding_window if self.is_sliding(layer) else None,
+                             self.attn_softcap, scale)
+        return None if spec == AttentionSpec() else spec
 
     def check_tp(self, tp: int) -> None:
         if self.num_heads % tp:
@@ -66,7 +102,7 @@ class ModelConfig:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h + \
+        layer = attn + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h + \
             (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
@@ -107,8 +143,9 @@ class Attention(nn.Module):
                                         False, sp, dtype=dtype, device=device)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        self.spec = cfg.attention_spec(layer_idx)
 
     def forward(self, x, cos, sin, ctx):
         qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
@@ -118,14 +155,16 @@ class Attention(nn.Module):
         if self.qk_norm:
             # before RoPE (Qwen3), so the fused decode kernel below still only rotates
             qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
-        if getattr(ctx, "applies_rope", False):
+        if self.spec is None and getattr(ctx, "applies_rope", False):
             # the context rotates q and k inside its own kernel (the rollout's decode step:
             # RoPE, the K/V-cache write and attention in one launch)
             o = ctx.attend_rope(self.layer_idx, qk[:, :hq], qk[:, hq:], v, cos, sin)
         else:
             # q and k rotated together: one set of RoPE kernels per layer instead of two
             qk = apply_rope(qk, cos, sin)                                 # [T, hq + hkv, d]
-            o = ctx.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v)     # [T, h_q, d]
+            # a windowed / capped / rescaled layer names its spec (models.features)
+            kw = {} if self.spec is None else {"spec": self.spec}
+            o = ctx.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, **kw)  # [T, h_q, d]
         return self.o_proj(o.reshape(o.shape[0], hq * d))
 
 
@@ -137,21 +176,42 @@ class MLP(nn.Module):
                                                  group, False, sp, dtype=dtype, device=device)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, group, False,
                                            sp, dtype=dtype, device=device)
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.ffn_per_rank, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+def norm_class(cfg: ModelConfig):
+    return GemmaRMSNorm if cfg.gemma else RMSNorm
 
 
 class DecoderLayer(nn.Module):
+    """Llama: pre-norms (post_attention_layernorm is the MLP's input norm). Gemma: the same
+    names as HF's, post_attention_layernorm norming the attention output, and a pre- / post-norm
+    pair around the MLP."""
+
     def __init__(self, cfg, layer_idx, group, sp, dtype, device):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        norm, h, eps = norm_class(cfg), cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = norm(h, eps, dtype, device)
         self.self_attn = Attention(cfg, layer_idx, group, sp, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = norm(h, eps, dtype, device)
+        self.sandwich = cfg.gemma
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(h, eps, dtype, device)
         self.mlp = MLP(cfg, group, sp, dtype, device)
+        if self.sandwich:
+            self.post_feedforward_layernorm = norm(h, eps, dtype, device)
+        # Gemma 3: sliding layers rotate with their own RoPE base (Decoder.forward's tables)
+        self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding(layer_idx)
 
     def forward(self, h, cos, sin, ctx):
+        if self.sandwich:
+            a = self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+            h = h + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -179,6 +239,8 @@ class Decoder(nn.Module):
         self.layer_start, self.layer_end = stage_layers(cfg.num_layers, pp_size, pp_rank)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling,
                                       cfg.max_position_embeddings)
+        if cfg.rope_local_theta is not None:
+            self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, device)
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
                                                        self.sp, dtype, device)
@@ -187,7 +249,7 @@ class Decoder(nn.Module):
             for i in range(self.layer_start, self.layer_end))
         self.value_head = None
         if self.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             if value_head:
                 # Saved as HF's *ForTokenClassification `score` layer (num_labels=1).
                 self.value_head = nn.Linear(cfg.hidden_size, 1, dtype=dtype, device=device)
@@ -215,10 +277,16 @@ class Decoder(nn.Module):
         """First stage: embeds packed.input_ids; later stages take `hidden` ([T/tp, H] under SP).
         Returns the residual stream after this stage's layers, normed on the last stage."""
         h = self.embed_tokens(packed.input_ids) if self.is_first else hidden
-        cos, sin = self.rotary(packed.position_ids)
+        if self.is_first and self.cfg.gemma:
+            # HF rounds √hidden to the embedding dtype first (Gemma2TextScaledWordEmbedding)
+            h = h * torch.tensor(self.cfg.hidden_size ** 0.5).to(h.dtype)
+        tables = {False: self.rotary(packed.position_ids)}
+        if hasattr(self, "rotary_local"):
+            tables[True] = self.rotary_local(packed.position_ids)
         ctx = attn_ctx or PackedCausalAttention(packed)
         recompute = self.recompute_layers and self.training and torch.is_grad_enabled()
         for layer in self.layers:
+            cos, sin = tables[layer.local_rope]
             if recompute:
                 h = checkpoint(layer, h, cos, sin, ctx, use_reentrant=False)
             else:
@@ -229,7 +297,8 @@ class Decoder(nn.Module):
     def logits_local(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T(/tp), H] -> this rank's vocabulary slice of the logits, [T, V_padded/tp]."""
         x = gather_from_sp(hidden, self.tp_group) if self.sp else copy_to_tp(hidden, self.tp_group)
-        return nn.functional.linear(x, self.head_weight)
+        # the soft-cap is elementwise: it commutes with the vocabulary sharding
+        return softcap(nn.functional.linear(x, self.head_weight), self.cfg.final_softcap)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [T, V] (gathers the vocabulary: tests and sampling only)."""
@@ -239,7 +308,13 @@ class Decoder(nn.Module):
 
     def logprob_entropy(self, hidden, targets, temperature: float = 1.0):
         """Per-token log p(targets) and entropy [T], without gathering the vocabulary; the head
-        GEMM is fused in chunks of the vocabulary, so the [T, V] logits never exist in full."""
+        GEMM is fused in chunks of the vocabulary, so the [T, V] logits never exist in full.
+        With a final soft-cap (Gemma 2) the fused kernels do not apply: this rank's [T, V/tp]
+        logits exist, capped, and parallel/vocab.py's function reads them."""
+        if self.cfg.final_softcap is not None:
+            return vocab_parallel_logprob_entropy(self.logits_local(hidden), targets,
+                                                  self.tp_group, self.cfg.vocab_size,
+                                                  temperature)
         return fused_linear_logprob_entropy(hidden, self.head_weight, targets, self.tp_group,
                                             self.cfg.vocab_size, temperature, self.sp)
 

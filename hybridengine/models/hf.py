@@ -21,97 +21,19 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridengine.models.attention import SCALED_ROPE_TYPES
 from hybridengine.models.lora import base_weights
 from hybridengine.models.decoder import Decoder, ModelConfig
+# the config side (one module of its own; these names stay importable from here)
+from hybridengine.models.hf_config import SUPPORTED, check_model_dir, hf_config_dict, \
+    read_model_config
 from hybridengine.parallel.tensor import all_gather_dim0, group_size, padded_vocab_size
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+__all__ = ["SUPPORTED", "check_model_dir", "read_model_config", "param_plan", "load_hf_weights",
+           "save_hf", "load_decoder", "is_tp_replicated", "SafetensorsDir", "Piece"]
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")   # vocab-parallel rows (tp-padded)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
                    "generation_config.json", "chat_template.jinja")
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def check_model_dir(model_dir: str | os.PathLike) -> Path:
-    """`model_dir` as a Path when it is a directory; else one line saying what it is: missing
-    (and, when it reads like a Hugging Face hub id, that nothing is downloaded here) or a file."""
-    path = Path(model_dir)
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ValueError(f"model path {path} is a file, not a directory: give the directory "
-                         f"that holds config.json and the *.safetensors files")
-    where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
-    hub = ""
-    if _HUB_ID.fullmatch(str(model_dir)):
-        hub = (f"; if {model_dir} is a Hugging Face hub id: models are not downloaded here, "
-               f"download it first (huggingface-cli download {model_dir} --local-dir DIR) "
-               f"and give its local DIR")
-    raise FileNotFoundError(f"model directory {path} does not exist{where}{hub}")
-
-
-def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
-    """ModelConfig from an HF directory's config.json (parsed by transformers)."""
-    path = check_model_dir(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json")
-    try:
-        json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:    # before transformers' vaguer message
-        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-    from transformers import AutoConfig
-    try:
-        hf = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types; one line for users
-        raise ValueError(f"cannot parse {path / 'config.json'}: {str(e).splitlines()[0]}") from e
-    if hf.model_type not in SUPPORTED:
-        raise ValueError(f"model_type={hf.model_type!r} in {path} is not supported "
-                         f"(supported: {', '.join(SUPPORTED)})")
-    _check_features(hf, path)
-    theta, scaling = _rope_config(hf, path)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return ModelConfig(
-        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, rope_theta=theta,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
-        attention_bias=hf.model_type == "qwen2",       # Qwen2's q/k/v biases, always there
-        max_position_embeddings=hf.max_position_embeddings, model_type=hf.model_type,
-        qk_norm=hf.model_type == "qwen3", rope_scaling=scaling)
-
-
-def _check_features(hf, path: Path) -> None:
-    """Config switches the Decoder does not model: one line each, rather than other logits."""
-    if hf.model_type != "qwen2" and getattr(hf, "attention_bias", False):
-        # Llama / Qwen3 put it on o_proj as well, which the Decoder has no bias for
-        raise ValueError(f"attention_bias=true in {path} is not supported for "
-                         f"model_type={hf.model_type!r}")
-    if getattr(hf, "mlp_bias", False):
-        raise ValueError(f"mlp_bias=true in {path} is not supported")
-    if getattr(hf, "use_sliding_window", False):
-        raise ValueError(f"use_sliding_window=true in {path} is not supported")
-
-
-def _rope_config(hf, path: Path) -> tuple[float, tuple[tuple[str, object], ...]]:
-    """(rope_theta, ModelConfig.rope_scaling) from the config's rope_parameters."""
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-    if rope_type not in ("default", *SCALED_ROPE_TYPES):
-        raise ValueError(f"rope_type={rope_type!r} in {path} is not supported (supported: "
-                         f"default, {', '.join(SCALED_ROPE_TYPES)})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} in {path} is "
-                         f"not supported (only 1.0)")
-    if rope_type == "default":
-        return theta, ()
-    return theta, tuple(sorted(dict(rope, rope_type=rope_type).items()))
 
 
 @dataclass(frozen=True)
@@ -159,7 +81,8 @@ def param_plan(local_name: str, cfg: ModelConfig, tp: int, tp_rank: int,
                 for p in ("gate", "up")]
     if rest == "mlp.down_proj.weight":
         return [Piece(prefix + "mlp.down_proj.weight", 1, tp_rank * ffn, (tp_rank + 1) * ffn, 1)]
-    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
         return [Piece(prefix + rest, 0, 0, h)]
     if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         return [Piece(prefix + rest, 0, 0, d)]     # one [head_dim] weight for every head
@@ -333,18 +256,10 @@ def _write_config(model: Decoder, tmp: Path, src_dir, dtype) -> None:
     if src_dir and (Path(src_dir) / "config.json").is_file():
         conf = json.loads((Path(src_dir) / "config.json").read_text())
     else:
-        from transformers import AutoConfig
-        rope = dict(cfg.rope_scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
-        conf = AutoConfig.for_model(
-            cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-            tie_word_embeddings=cfg.tie_word_embeddings,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rope_parameters=rope).to_dict()
+        conf = hf_config_dict(cfg)
     if model.value_head is not None:
-        family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.model_type]
+        family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+                  "gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}[cfg.model_type]
         conf.update(architectures=[f"{family}ForTokenClassification"], num_labels=1)
     if dtype is not None:
         conf["dtype"] = str(dtype).removeprefix("torch.")

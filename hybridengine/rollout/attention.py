@@ -25,6 +25,12 @@ row's cached prefix, by one of four backends:
          (the comparison point for `flash`).
   sdpa   the rows' cache gathered to [B, h_kv, L, d] and a length mask; q grouped as
          [B, h_kv, h_q/h_kv, d] so that no K/V head is repeated. The CPU path; a CUDA fallback.
+A layer with an AttentionSpec (models.features: sliding window, logit soft-cap, query scale)
+takes, under every backend, the sdpa form with a mask that also hides keys older than the
+window (and the soft-cap in torch): none of the kernels above applies these, so such layers
+read the gathered cache as sdpa does (the cost of Gemma 2, all of whose layers cap). The
+prefill's spec layers run PackedCausalAttention's spec path (flash varlen with a window on CUDA
+when nothing is capped, else torch per sequence), never the dense form.
 `auto` (on CUDA in fp16/bf16) takes the first of AUTO_ORDER that runs and agrees with SDPA on
 the device (checked once; a mismatch or an error tries the next, with a warning), else sdpa.
 Shapes are static given (rows, max_k), so a decode step can be captured in a CUDA graph.
@@ -40,10 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridengine.kernels import decode_attention as triton_decode
-from hybridengine.kernels import kv_write
 from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS, RolloutKernelSettings
 from hybridengine.models.attention import PackedCausalAttention, PackedInput
-from hybridengine.rollout.kv_cache import KVCache, write_rows
+from hybridengine.models.features import AttentionSpec, masked_attention, window_mask
+# the dense prefill form lives beside (its names stay importable from here)
+from hybridengine.rollout.dense_prefill import padded_causal_attention, write_prefill_kv
+from hybridengine.rollout.kv_cache import KVCache
 # the choice lists live in the torch-free config module (RolloutConfig checks them there)
 from hybridengine.rollout.rollout_config import BACKENDS, PREFILL_ATTENTION
 
@@ -178,6 +186,8 @@ class DecodeContext:
         # the fused triton form reads the runner's per-slot position state itself and derives
         # the write position and length in the kernel: nothing below is needed for it
         self.slot_positions = slot_positions
+        self.positions = positions              # the spec layers' path (_attend_spec)
+        self._spec_masks: dict[int | None, torch.Tensor] = {}
         self.applies_rope = backend == "triton" and slot_positions is not None
         if self.applies_rope:
             return
@@ -195,9 +205,11 @@ class DecodeContext:
             cols = torch.arange(max_k, device=slots.device)
             self.mask = (cols < seqlens.unsqueeze(1))[:, None, None, :]      # [B, 1, 1, max_k]
 
-    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, spec: AttentionSpec | None = None) -> torch.Tensor:
         """q [B, h_q, d], k/v [B, h_kv, d] -> [B, h_q, d]."""
         layer = layer_idx - self.layer_start
+        if spec is not None:
+            return self._attend_spec(layer, q, k, v, spec)
         self.cache.write(layer, self.slots, self.write_pos, k, v)
         if self.backend == "triton":
             return triton_decode.decode_attention(q, self.cache.k[layer], self.cache.v[layer],
@@ -211,6 +223,19 @@ class DecodeContext:
             return grouped_flash_decode(q, kf, vf, self.cu_q, self.cu_k, self.seqused, L)
         kc, vc = self.cache.gather_slots(layer, self.slots, self.max_k)     # [B, h_kv, L, d]
         return grouped_sdpa(q, kc, vc, self.mask)
+
+    def _attend_spec(self, layer: int, q, k, v, spec: AttentionSpec) -> torch.Tensor:
+        """The cache write, then masked torch attention over the rows' first max_k keys: key j
+        visible to the row at position p when p - window < j <= p (the same clamp as sdpa's)."""
+        pos = self.positions.clamp(max=self.cache.max_model_len - 1)             # [B]
+        self.cache.write(layer, self.slots, pos, k, v)
+        kc, vc = self.cache.gather_slots(layer, self.slots, self.max_k)        # [B, h_kv, L, d]
+        mask = self._spec_masks.get(spec.window)
+        if mask is None:
+            cols = torch.arange(self.max_k, device=pos.device)
+            mask = window_mask(pos[:, None], cols[None, :], spec.window)[:, None, None, :]
+            self._spec_masks[spec.window] = mask                             # [B, 1, 1, L]
+        return masked_attention(q.unsqueeze(2), kc, vc, mask, spec).squeeze(2)
 
     def attend_rope(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
         """attend() from the unrotated q, k (fp32 RoPE tables cos, signed sin [B, d]), in one
@@ -259,7 +284,7 @@ class PrefillContext:
         self.dense = dense
         self.triton_kv_write = settings.triton_kv_write
 
-    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, spec: AttentionSpec | None = None) -> torch.Tensor:
         if self.cache is not None:          # None: a memory-profiling run
             layer = layer_idx - self.layer_start
             if self.dense is not None:
@@ -268,78 +293,11 @@ class PrefillContext:
             else:
                 self.cache.write(layer, self.dst_slot, self.dst_pos,
                                  k.index_select(0, self.src), v.index_select(0, self.src))
+        if spec is not None:
+            return self.inner.attend(layer_idx, q, k, v, spec)
         if self.dense is not None:
             return padded_causal_attention(q, k, v, *self.dense)
         return self.inner.attend(layer_idx, q, k, v)
-
-
-# With the dense prefill attention (an opaque op), inductor deferred each layer's K/V cache
-# write and fused those of 4 layers into one kernel that ran ~8x slower than the write in the
-# varlen prefill (16 against 1.9 ms per generate on an H200, bench/RESULTS.md 2026-11-30
-# session 6): as an opaque op of its own, the write runs where the layer computes it. Through
-# torch's indexing it took 10 ms per generate there; kernels.kv_write does it in one Triton
-# launch per layer where it runs (RolloutKernelSettings.triton_kv_write; benchmarks turn it
-# off to compare).
-@torch.library.custom_op("hybridengine::write_prefill_kv", mutates_args=("k_cache", "v_cache"))
-def write_prefill_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slot: torch.Tensor,
-                     dst_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     src: torch.Tensor,
-                     triton: bool = DEFAULT_KERNEL_SETTINGS.triton_kv_write) -> None:
-    """k_cache/v_cache[dst_slot[i], dst_pos[i]] = k/v[src[i]] (KVCache.write of packed rows):
-    with triton, through kernels.kv_write where it runs, else torch's indexing."""
-    if triton and kv_write.available(k.device) and \
-            kv_write.supports(k_cache, v_cache, k, v):
-        kv_write.write_kv_rows(k_cache, v_cache, dst_slot, dst_pos, k, v, src)
-        return
-    write_rows(k_cache, v_cache, dst_slot, dst_pos, k.index_select(0, src),
-               v.index_select(0, src))
-
-
-@write_prefill_kv.register_fake
-def _(*args, **kwargs):
-    return None
-
-
-def padded_causal_attention(q, k, v, num_seqs: int, max_len: int,
-                            pad_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of packed sequences q [T, h_q, d], k/v [T, h_kv, d] through a dense
-    [num_seqs, h, max_len, d] kernel: each sequence right-padded with zeros to max_len
-    (pad_index [T] = sequence · max_len + position; None when every sequence has max_len
-    tokens and the packed rows already are the dense ones). Right padding needs no mask: a real
-    query at position i sees keys 0..i, all real; padded rows are computed and dropped. On
-    CUDA, cuDNN's fused attention (on an H200 at 32 × 512 tokens, h_q 14, h_kv 2, d 64: 64 µs
-    against 146 µs for flash varlen; bench/RESULTS.md 2026-11-30 session 6), else SDPA."""
-    if pad_index is None:
-        return dense_causal_attention(q, k, v, num_seqs, max_len)
-
-    def pad(x):
-        return x.new_zeros(num_seqs * max_len, *x.shape[1:]).index_copy_(0, pad_index, x)
-    out = dense_causal_attention(pad(q), pad(k), pad(v), num_seqs, max_len)
-    return out.index_select(0, pad_index)
-
-
-# A custom op, as the decode kernels: under torch.compile inductor sees one opaque call that
-# takes q, k, v with the strides they have (views of the qkv projection and the RoPE output)
-# instead of applying its own stride rules for cuDNN's inputs.
-@torch.library.custom_op("hybridengine::dense_causal_attention", mutates_args=())
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
-                           max_len: int) -> torch.Tensor:
-    """q [S·N, h_q, d], k/v [S·N, h_kv, d] holding S = num_seqs sequences of N = max_len rows
-    each -> causal attention within each sequence, [S·N, h_q, d] (see padded_causal_attention)."""
-    T, hq, d = q.shape
-    qd, kd, vd = (x.view(num_seqs, max_len, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
-    if q.is_cuda:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qd, kd, vd, None, False, 0.0, True, False, scale=d ** -0.5)[0]
-    else:
-        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                             enable_gqa=kd.shape[1] != hq)
-    return out.transpose(1, 2).reshape(T, hq, d).contiguous()
-
-
-@dense_causal_attention.register_fake
-def _(q, k, v, num_seqs, max_len):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def decoder_qkv(qkv: torch.Tensor, hq: int, hkv: int, d: int):

@@ -37,8 +37,9 @@ class PagedDecodeContext:
         cols = torch.arange(max_k, device=positions.device)
         self.mask = (cols < seqlens.unsqueeze(1))[:, None, None, :]            # [B, 1, 1, max_k]
 
-    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, spec=None) -> torch.Tensor:
         """q [B, h_q, d], k/v [B, h_kv, d] -> [B, h_q, d]."""
+        _plain_only(spec)
         layer = layer_idx - self.layer_start
         self.cache.write(layer, self.slot_mapping, k, v)
         kc = gather_blocks(self.cache.k[layer], self.block_tables)[:, :, :self.max_k]
@@ -59,7 +60,8 @@ class PagedPrefillContext:
         self.cu = packed.cu_seqlens
         self.inner = PackedCausalAttention(packed)
 
-    def attend(self, layer_idx: int, q, k, v) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, spec=None) -> torch.Tensor:
+        _plain_only(spec)
         layer = layer_idx - self.layer_start
         self.cache.write(layer, self.dst, k.index_select(0, self.src),
                          v.index_select(0, self.src))
@@ -68,3 +70,11 @@ class PagedPrefillContext:
         block_tables, seq_lens = self.paged
         return paged_prefill_attention(q, self.cache.k[layer], self.cache.v[layer],
                                        block_tables, self.cu, seq_lens)
+
+
+def _plain_only(spec) -> None:
+    """A layer with a window, a soft-cap or its own scale (models.features: Mistral, Gemma)
+    passes a spec; the paged contexts attend plainly only."""
+    if spec is not None:
+        raise ValueError("kv_layout=paged does not support sliding-window or soft-capped "
+                         "attention yet (Mistral, Gemma): use kv_layout=static")

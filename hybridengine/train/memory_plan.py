@@ -20,7 +20,8 @@ else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_
       inputs, the gathered inputs of qkv and gate_up (autograd keeps them; Megatron re-gathers),
       qkv, rotated q/k and their swap, attention output, gate/up, silu(gate), their product,
       cos/sin (CUDA's saved tensors; the CPU kernels save a little more); + (q + kv) with
-      Qwen3's q/k norms (their inputs)
+      Qwen3's q/k norms (their inputs), + 2H/s with Gemma's post-attention / pre-MLP norms; not
+      counted: the soft-capped attention's per-sequence [h, n, n] scores (Gemma 2's torch path)
   training activations, stage r of p: (p - r) micro-batches in flight (1F1B) x layers·T·a·b;
       with recomputation layers·T·(H/s)·b (layer inputs) + one rebuilt layer T·a·b
   forward-only activations: one layer's working set T·(a + 2H/s)·b
@@ -170,8 +171,10 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
         out += [(n + "self_attn.o_proj.weight", (h, q))]
         out += [(n + "self_attn.q_norm.weight", (d,)), (n + "self_attn.k_norm.weight", (d,))] \
             if cfg.qk_norm else []
-        out += [(n + "post_attention_layernorm.weight", (h,)),
-                (n + "mlp.gate_up_proj.weight", (2 * i, h)), (n + "mlp.down_proj.weight", (h, i))]
+        out += [(n + "post_attention_layernorm.weight", (h,))]
+        out += [(n + "pre_feedforward_layernorm.weight", (h,))] if cfg.gemma else []
+        out += [(n + "mlp.gate_up_proj.weight", (2 * i, h)), (n + "mlp.down_proj.weight", (h, i))]
+        out += [(n + "post_feedforward_layernorm.weight", (h,))] if cfg.gemma else []
     if last:
         out.append(("norm.weight", (h,)))
         if value_head:
@@ -200,7 +203,9 @@ def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool) -> float:
     h, d, s = cfg.hidden_size, cfg.head_dim, tp if sp else 1
     q, kv, i = cfg.num_heads * d / tp, cfg.num_kv_heads * d / tp, cfg.intermediate_size / tp
     qk_norm = q + kv if cfg.qk_norm else 0
-    return 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d + qk_norm
+    sandwich = 2 * h / s if cfg.gemma else 0        # the inputs of Gemma's two extra norms
+    return 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d + qk_norm + \
+        sandwich
 
 
 def lora_numels(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, rank: int,
