@@ -163,3 +163,22 @@ def test_scheduler_shares_blocks_keeps_rows_and_requeues_oldest_first():
     assert [s.seq_id for s in sched.waiting] == [2, 3]     # the oldest first, rows kept
     assert [s.slot for s in sched.waiting] == [2, 3] and sched.rows.num_free == 0
     tables.check()
+
+
+def test_trainer_with_the_paged_layout_takes_the_static_run_s_step(tmp_path):
+    """actor_rollout_ref.rollout.kv_layout=paged in a GRPO step (4 prompts x 4 samples sharing
+    their prompt blocks): the same responses, hence the same rewards and losses, as static."""
+    from test_lora import _lora_trainer
+    from hybridengine.rl.tracking import read_metrics
+    rows = {}
+    for layout in ("static", "paged"):
+        trainer = _lora_trainer(tmp_path / layout, "actor_rollout_ref.model.lora_rank=0",
+                                f"actor_rollout_ref.rollout.kv_layout={layout}",
+                                "actor_rollout_ref.rollout.block_size=4",
+                                "trainer.total_training_steps=1", "trainer.logger=['console']")
+        trainer.fit()
+        rows[layout] = [r for r in read_metrics(tmp_path / layout / "metrics.jsonl")
+                        if "actor/pg_loss" in r][0]
+    keys = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/entropy")
+    assert [rows["paged"][k] for k in keys] == [rows["static"][k] for k in keys]
+    assert rows["paged"]["rollout/preemptions"] == 0

@@ -63,6 +63,7 @@ RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
         "data.gen_batch_size", "data.val_batch_size", _A + "ppo_mini_batch_size",
         _A + "ppo_micro_batch_size_per_gpu", _A + "ppo_max_token_len_per_gpu", _A + "ppo_epochs",
         _A + "clip_ratio", _A + "clip_ratio_low", _A + "clip_ratio_high", _R + "n", _R + "max_num_seqs",
+        _R + "block_size",
         _R + "val_kwargs.n", _R + "log_prob_micro_batch_size_per_gpu", _R + "log_prob_max_token_len_per_gpu",
         _F + "log_prob_micro_batch_size_per_gpu", _F + "log_prob_max_token_len_per_gpu",
         "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",

@@ -141,6 +141,8 @@ class RolloutSection:
     compile_prefill: bool
     attn_backend: str
     prefill_attention: str
+    kv_layout: str
+    block_size: int
     prompt_length: int
     response_length: int
     dtype: str

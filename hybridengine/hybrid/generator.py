@@ -157,7 +157,8 @@ class Generator:
                                    enforce_eager=c.enforce_eager or not cuda,
                                    compile=compile_decode, compile_prefill=compile_prefill,
                                    attn_backend=c.attn_backend,
-                                   prefill_attention=c.prefill_attention)
+                                   prefill_attention=c.prefill_attention,
+                                   kv_layout=c.kv_layout, block_size=c.block_size)
             self.engine = Engine(model, config, device=dev, dtype=self.dtype)
         return self.engine
 
