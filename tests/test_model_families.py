@@ -86,9 +86,9 @@ def _prompts():
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _engine_greedy(model):
+def _engine_greedy(model, **kw):
     engine = Engine(model, RolloutConfig(max_num_seqs=8, max_model_len=64,
-                                         max_prefill_tokens=128))
+                                         max_prefill_tokens=128, **kw))
     results = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     return [r.token_ids for r in results]
 

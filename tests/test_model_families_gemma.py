@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dist_utils import run_dist
-from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder
 from hybridengine.models.hf import load_decoder, read_model_config, save_hf
 from hybridengine.parallel.layout import GenLayout, Layout
@@ -21,13 +20,11 @@ from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from model_utils import rel_err
-from test_model_families import _loss_and_grads
+# the shared fixtures of the families tests (the same vocabulary, lengths and prompts)
+from test_model_families import (MAX_NEW, VOCAB, _engine_greedy, _hf_greedy, _hf_logits,
+                                 _loss_and_grads, _packed_logits, _prompts)
 
-VOCAB = 97
 WINDOW = 5
-LENGTHS = [7, 40, 13]
-PROMPT_LENS = [5, 11, 3, 14]
-MAX_NEW = 20
 CASES = ["mistral", "gemma2", "gemma3"]
 
 
@@ -67,43 +64,6 @@ def dirs(tmp_path_factory):
     for name in CASES:
         family_hf_model(name).save_pretrained(str(root / name))
         out[name] = str(root / name)
-    return out
-
-
-def _seqs(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
-
-
-def _packed_logits(model, tp=1):
-    packed = PackedInput.from_lengths(torch.cat(_seqs()), LENGTHS, multiple_of=tp)
-    with torch.no_grad():
-        return packed.strip(model.logits(model(packed)))
-
-
-def _hf_logits(hf):
-    with torch.no_grad():
-        return torch.cat([hf(s[None]).logits[0] for s in _seqs()])
-
-
-def _prompts():
-    g = torch.Generator().manual_seed(2)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _engine_greedy(model, **kw):
-    engine = Engine(model, RolloutConfig(max_num_seqs=8, max_model_len=64,
-                                         max_prefill_tokens=128, **kw))
-    results = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    return [r.token_ids for r in results]
-
-
-def _hf_greedy(hf):
-    out = []
-    for p in _prompts():
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
     return out
 
 

@@ -75,6 +75,15 @@ def plan_num_slots(max_num_seqs: int, max_model_len: int, bytes_per_token: int,
     return min(max_num_seqs, fit)
 
 
+def layer_tensors(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
+                  device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V tensors of `shape` for each layer (the static and the paged cache). Zeros, not
+    empty: masked SDPA multiplies masked positions by probability 0, and uninitialised memory
+    may hold NaN bit patterns (0 · NaN = NaN)."""
+    return ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+
+
 class KVCache:
     """Device tensors of the cache, one K and one V tensor per layer (a mutation under
     torch.compile then touches one whole input, never a view of a shared base)."""
@@ -83,11 +92,8 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         self.num_slots, self.max_model_len = num_slots, max_model_len
         self.scratch_slot = num_slots
-        shape = (num_slots + 1, max_model_len, num_kv_heads, head_dim)
-        # zeros, not empty: masked SDPA multiplies masked positions by probability 0, and
-        # uninitialised memory may hold NaN bit patterns (0 · NaN = NaN).
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k, self.v = layer_tensors(num_layers, (num_slots + 1, max_model_len, num_kv_heads,
+                                                    head_dim), dtype, device)
 
     @property
     def num_bytes(self) -> int:

@@ -42,7 +42,7 @@ from collections import Counter, OrderedDict
 import torch
 import torch.nn.functional as F
 
-from hybridengine.rollout.kv_cache import write_rows
+from hybridengine.rollout.kv_cache import layer_tensors, write_rows
 # (defined beside RolloutConfig.block_size, whose default it is; importable from here)
 from hybridengine.rollout.rollout_config import DEFAULT_BLOCK_SIZE  # noqa: F401
 
@@ -299,11 +299,8 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        # zeros, not empty: masked SDPA multiplies masked positions by probability 0, and
-        # uninitialised memory may hold NaN bit patterns (0 · NaN = NaN).
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k, self.v = layer_tensors(num_layers, (num_blocks + 1, block_size, num_kv_heads,
+                                                    head_dim), dtype, device)
 
     @property
     def num_bytes(self) -> int:
