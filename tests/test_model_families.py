@@ -20,7 +20,7 @@ from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from model_utils import rel_err
-from test_rollout import _run_in_triton_interpreter
+from test_rollout import TRITON_MATCHES_SDPA, _run_in_triton_interpreter
 
 VOCAB = 97
 LENGTHS = [7, 40, 13]         # positions up to 39: past original_max_position_embeddings = 16
@@ -241,9 +241,6 @@ TRITON_FAMILY_CHECK = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
 from hybridengine.models.decoder import Decoder, ModelConfig
-from hybridengine.rollout.engine import Engine
-from hybridengine.rollout.rollout_config import RolloutConfig
-from hybridengine.rollout.sampling import SamplingParams
 torch.manual_seed(0)
 rope = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
         ("original_max_position_embeddings", 16), ("rope_type", "llama3"))
@@ -255,16 +252,8 @@ with torch.no_grad():
         if "norm" in n:
             p.normal_(1.0, 0.1)
 prompts = [[1, 2, 3], [7] * 30, [4, 9]]
-engines = {b: Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=64, attn_backend=b))
-           for b in ("triton", "sdpa")}
-assert engines["triton"].runner.backend == "triton"
-runs = {b: e.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-        for b, e in engines.items()}
-for a, b in zip(runs["triton"], runs["sdpa"]):
-    assert a.token_ids == b.token_ids
-    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-print("ok")
-"""
+max_model_len, max_tokens = 64, 12
+""" + TRITON_MATCHES_SDPA
 
 
 def test_fused_triton_decode_with_qk_norm_and_llama3_rope_in_the_interpreter():

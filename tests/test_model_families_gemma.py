@@ -21,6 +21,7 @@ from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from model_utils import rel_err
 # the shared fixtures of the families tests (the same vocabulary, lengths and prompts)
+from test_rollout import TRITON_MATCHES_SDPA
 from test_model_families import (MAX_NEW, VOCAB, _engine_greedy, _hf_greedy, _hf_logits,
                                  _loss_and_grads, _packed_logits, _prompts)
 
@@ -195,9 +196,6 @@ TRITON_MIXED_CHECK = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
 from hybridengine.models.decoder import Decoder, ModelConfig
-from hybridengine.rollout.engine import Engine
-from hybridengine.rollout.rollout_config import RolloutConfig
-from hybridengine.rollout.sampling import SamplingParams
 torch.manual_seed(0)
 cfg = ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
@@ -212,16 +210,8 @@ with torch.no_grad():
             p.normal_(0.0, 0.3)
 assert [layer.self_attn.spec is None for layer in model.layers] == [False, True]
 prompts = [[1, 2, 3], [7] * 12, [4, 9]]
-engines = {b: Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=64, attn_backend=b))
-           for b in ("triton", "sdpa")}
-assert engines["triton"].runner.backend == "triton"
-runs = {b: e.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
-        for b, e in engines.items()}
-for a, b in zip(runs["triton"], runs["sdpa"]):
-    assert a.token_ids == b.token_ids
-    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-print("ok")
-"""
+max_model_len, max_tokens = 64, 8
+""" + TRITON_MATCHES_SDPA
 
 
 def test_fused_triton_decode_beside_windowed_layers_in_the_interpreter():

@@ -492,6 +492,25 @@ def _run_in_triton_interpreter(script: str) -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+# The tail of an interpreter check script that defined `model`, `prompts`, `max_model_len` and
+# `max_tokens`: greedy tokens and log-probs of the engine on the triton backend as on SDPA.
+TRITON_MATCHES_SDPA = """
+from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.rollout_config import RolloutConfig
+from hybridengine.rollout.sampling import SamplingParams
+engines = {b: Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=max_model_len,
+                                          attn_backend=b))
+           for b in ("triton", "sdpa")}
+assert engines["triton"].runner.backend == "triton"
+runs = {b: e.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        for b, e in engines.items()}
+for a, b in zip(runs["triton"], runs["sdpa"]):
+    assert a.token_ids == b.token_ids
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+print("ok")
+"""
+
+
 TRITON_CHECK = """
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
@@ -540,23 +559,12 @@ for dtype, tol, sms in ((torch.float32, 1e-5, 64), (torch.float16, 2e-3, 64),
     assert out.dtype == dtype and err < tol, (dtype, err, "rope")
 # The engine on the triton backend: greedy tokens and log-probs as on SDPA.
 from hybridengine.models.decoder import Decoder, ModelConfig
-from hybridengine.rollout.engine import Engine
-from hybridengine.rollout.rollout_config import RolloutConfig
-from hybridengine.rollout.sampling import SamplingParams
 cfg = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)
 model = Decoder(cfg)
 prompts = [[1, 2, 3], [7] * 70, [4, 9]]
-engines = {b: Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=96, attn_backend=b))
-           for b in ("triton", "sdpa")}
-assert engines["triton"].runner.backend == "triton"
-runs = {b: e.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-        for b, e in engines.items()}
-for a, b in zip(runs["triton"], runs["sdpa"]):
-    assert a.token_ids == b.token_ids
-    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-print("ok")
-"""
+max_model_len, max_tokens = 96, 12
+""" + TRITON_MATCHES_SDPA
 
 
 def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
