@@ -14,8 +14,8 @@ _carried: dict[int, int] = {}
 
 
 def _index(device) -> int:
-    return torch.device(device).index if device is not None and torch.device(device).index \
-        is not None else torch.cuda.current_device()
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
 
 
 def reset_peak(device=None) -> None:

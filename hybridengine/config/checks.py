@@ -129,28 +129,21 @@ def _check_algorithm(cfg: DictConfig) -> Iterator[str]:
                "use the rule rewards or custom_reward_function.path")
     if cfg.trainer.resume_mode == "resume_path" and cfg.trainer.resume_from_path is None:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
-    yield from _check_lora(cfg)
+    yield from _check_lora(cfg.actor_rollout_ref.model, _M)
+    if uses_critic(cfg):
+        yield from _check_lora(cfg.critic.model, "critic.model.")
 
 
-def _check_lora(cfg: DictConfig) -> Iterator[str]:
-    m = cfg.actor_rollout_ref.model
+def _check_lora(m, prefix: str) -> Iterator[str]:
+    """A role's LoRA keys (its model section, named by `prefix`)."""
     if m.lora_rank < 0:
-        yield f"{_M}lora_rank={m.lora_rank} must be >= 0 (0: full-parameter training)"
+        yield f"{prefix}lora_rank={m.lora_rank} must be >= 0 (0: full-parameter training)"
     if m.lora_rank > 0:
         from hybridengine.models.lora import resolve_targets   # the model family's names
         try:
             resolve_targets(list(m.target_modules))
         except ValueError as e:
-            yield f"{_M}{e}"
-    c = cfg.critic.model
-    if uses_critic(cfg) and c.lora_rank < 0:
-        yield f"critic.model.lora_rank={c.lora_rank} must be >= 0 (0: full-parameter training)"
-    if uses_critic(cfg) and c.lora_rank > 0:
-        from hybridengine.models.lora import resolve_targets
-        try:
-            resolve_targets(list(c.target_modules))
-        except ValueError as e:
-            yield f"critic.model.{e}"
+            yield f"{prefix}{e}"
 
 
 def _check_train_batches(cfg: DictConfig, section: str, role: Layout) -> Iterator[str]:

@@ -26,6 +26,10 @@ from hybridengine.parallel.tensor import all_gather_dim0, group_rank, group_size
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION + MLP
+# the fused Decoder layer that holds each HF module's rows or columns (add_lora's slots)
+FUSED_LAYER = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+               "down_proj": "down_proj"}
 
 
 @dataclass(frozen=True)

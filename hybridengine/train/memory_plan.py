@@ -47,6 +47,7 @@ import torch
 
 from hybridengine.kernels.logprob import _chunks
 from hybridengine.models.decoder import ModelConfig, stage_layers
+from hybridengine.models.lora import FUSED_LAYER
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.tensor import padded_vocab_size
 from hybridengine.rollout.kv_cache import plan_num_slots
@@ -286,16 +287,11 @@ def reshard_memory(actor: RoleSpec, g: RolloutSpec,
         buffers = (1 if per_member <= cap else 2) * members * min(cap, per_member)
     kept = 0
     if adapter_switches:
-        layers = {_LORA_LAYER[t] for t in actor.lora_targets}
+        layers = {FUSED_LAYER[t] for t in actor.lora_targets}
         adapted = {n for n, _ in gen if n.endswith(".weight") and n.split(".")[-2] in layers}
         kept, arena = arena, sum(padded(s) for n, s in gen if n in adapted)
     return arena * e, buffers * e, shared * actor.dtype.itemsize, kept * e
 
-
-# the fused Decoder layer of each HF module an adapter may target (models.lora)
-_LORA_LAYER = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-               "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-               "down_proj": "down_proj"}
 
 
 def rollout_fixed(actor: RoleSpec, g: RolloutSpec) -> tuple[int, int]:
