@@ -25,12 +25,6 @@ from hybridengine.parallel import tensor as ptensor
 from hybridengine.parallel.lora import LoRA
 
 
-def adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """{Decoder weight name: its linear layer} for every layer that carries adapters."""
-    return {f"{name}.weight": m for name, m in model.named_modules()
-            if getattr(m, "lora", None) is not None}
-
-
 def frozen_base(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base parameters as they are (no merge, no adapters, no value head): what the first
     adapter-only switch reshards once."""

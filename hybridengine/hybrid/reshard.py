@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from hybridengine.models.lora import base_weights
+from hybridengine.models.lora import adapted_layers, base_weights
 from hybridengine.hybrid.gen_model import assign_weights, build_gen_decoder, release_weights
-from hybridengine.hybrid.lora_switch import adapted_layers, frozen_base, gather_adapters, \
+from hybridengine.hybrid.lora_switch import frozen_base, gather_adapters, \
     merge_generation_weight
 from hybridengine.hybrid.plan import MODES, ReshardPlan, max_received_numel, plan_reshard
 from hybridengine.hybrid.program import ALIGN_BYTES, Copies, Program, compile_program, \

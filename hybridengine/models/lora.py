@@ -100,12 +100,17 @@ def lora_state_dict(model) -> dict[str, object]:
     return out
 
 
+def adapted_layers(model) -> dict:
+    """{Decoder weight name: its linear layer} for every layer that carries adapters."""
+    return {f"{name}.weight": m for name, m in model.named_modules()
+            if getattr(m, "lora", None) is not None}
+
+
 def base_weights(model):
     """(name, tensor) of the model's base parameters, each adapted weight merged (W + s·B·A, a
     new tensor: W itself never changes) and the adapter tensors left out: what the rollout's
     generation weights and an HF export read. Without adapters: named_parameters() itself."""
-    adapted = {f"{name}.weight": m for name, m in model.named_modules()
-               if getattr(m, "lora", None) is not None}
+    adapted = adapted_layers(model)
     for name, p in model.named_parameters():
         if ".lora." in name:
             continue
