@@ -323,33 +323,42 @@ def test_random_rollouts_gpu(heads):
 @pytest.mark.parametrize("heads", HEADS[:2], ids=lambda h: "x".join(map(str, h)))
 def test_random_rollouts_gpu_pdl_changes_no_bit(heads):
     """Programmatic dependent launch on and off (the fused decode attention and, compiled,
-    inductor's kernels): the same tokens everywhere, and the same log-probs bit for bit eager
-    and in graphs (where PDL is the only difference: the same kernels, launched otherwise), every
-    decode size, bf16. Compiled, each setting is a compilation of its own, and inductor's code
-    differs with PDL (its launch) and by the launch settings it times at a kernel's first
-    launch; a reduction may then sum in another order. On an H200 (2026-12-01), every token the
-    same: at 9/3 heads one log-prob 5.7e-4 apart; under inductor's deterministic mode (no
-    timing that changes numerics) 9/3 heads bit for bit, 14/2 heads still apart. A missing
-    wait (a kernel reading what its predecessor has not written yet) would change tokens or
-    log-probs by far more than the bound."""
+    inductor's kernels), every decode size, bf16. Eager and in CUDA graphs PDL is the only
+    difference (the same kernels, launched otherwise): the same tokens and log-probs bit for
+    bit. Compiled, each setting is an inductor compilation of its own whose code differs with
+    PDL (its launch) and by the launch settings it times at a kernel's first launch, so a
+    reduction may sum in another order and a sampled token near a tie may flip, after which
+    the row goes its own way (H200, 2026-12-01: 9/3 heads every token the same; 14/2 heads
+    row 22 apart from its 43rd token, in two runs of session 13). What a missing wait (a
+    kernel reading what its predecessor has not written yet) breaks is values: each compiled
+    run's log-probs must be the fp32 forward's of its own tokens, as the rollout's are in
+    test_random_rollouts_gpu, and most rows the same."""
     from hybridengine.kernels.decode_attention import pdl_supported
     from hybridengine.kernels.settings import RolloutKernelSettings
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs Hopper or later")
     model = _gpu_model(heads, torch.bfloat16)
+    exact = copy.deepcopy(model).float()            # the bf16 weights, computed in fp32
     runs = {}
     try:
         for pdl in (True, False):
             settings = RolloutKernelSettings(pdl=pdl)
             for name, kw in GPU_RUNS.items():
                 torch._dynamo.reset()       # the compiled steps are cached per function
-                runs[pdl, name] = generate(model, 4, attn_backend="triton", **kw, **GPU,
-                                           kernels=settings)[0]
+                got, prompts, _, _ = generate(model, 4, attn_backend="triton", **kw, **GPU,
+                                              kernels=settings)
+                runs[pdl, name] = got, prompts
     finally:
         torch._dynamo.reset()
     for name in GPU_RUNS:
-        for a, b in zip(runs[True, name], runs[False, name]):
-            assert [r.token_ids for r in a] == [r.token_ids for r in b], (heads, name)
-            gap = max(abs(x - y) for ra, rb in zip(a, b)
-                      for x, y in zip(ra.logprobs, rb.logprobs))
-            assert gap <= (0.01 if name == "compiled" else 0.0), (heads, name, gap)
+        (with_pdl, prompts), (without, _) = runs[True, name], runs[False, name]
+        rows = [(ra, rb) for a, b in zip(with_pdl, without) for ra, rb in zip(a, b)]
+        same = [ra.token_ids == rb.token_ids for ra, rb in rows]
+        if name != "compiled":
+            assert all(same), (heads, name)
+            assert all(ra.logprobs == rb.logprobs for ra, rb in rows), (heads, name)
+            continue
+        assert sum(same) >= len(rows) * 3 // 4, (heads, sum(same), len(rows))
+        for got in (with_pdl, without):
+            gap = logprob_gap(exact, prompts, got)
+            assert gap < 0.15, (heads, gap)
