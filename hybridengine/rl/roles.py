@@ -12,6 +12,7 @@ import torch
 from hybridengine.config.run import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
     MegatronSection, OptimSection, RefConfig
 from hybridengine.parallel.lora import adapters_disabled
+from hybridengine.parallel.pipeline import broadcast_from_last_stage
 from hybridengine.train.engine import OptimConfig, TrainEngine
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
@@ -68,8 +69,13 @@ class Role:
         plan = self._plan(batch)
         mbs = self._microbatches(batch, plan[self.mesh.dp_rank])
         outs = self.engine.forward_only(mbs)
-        local = [o[key][mb.tensors["resp_idx"]] * mb.tensors["resp_mask"]
-                 for o, mb in zip(outs, mbs)]
+        return self._response_grid(batch, plan, mbs, [o[key] for o in outs])
+
+    def _response_grid(self, batch: Batch, plan, mbs, per_token: list) -> torch.Tensor:
+        """[B, R] on every rank from per-token results (one per micro-batch of this rank's
+        `plan` entry, on every stage of the replica)."""
+        local = [o[mb.tensors["resp_idx"]] * mb.tensors["resp_mask"]
+                 for o, mb in zip(per_token, mbs)]
         return gather_response_tensor(local, plan, len(batch), batch.max_response_length,
                                       self.mesh, self.engine.device)
 
@@ -85,8 +91,10 @@ class Role:
                 yield order[s:s + mini_size]
 
     def _update(self, batch: Batch, mini_size, epochs, shuffle, seed, micro, fields,
-                loss_builder):
-        """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics."""
+                loss_builder, keep_logprobs: bool = False):
+        """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics. With
+        keep_logprobs (one mini-batch, one epoch), the log-probs of its forward, before the
+        step, become batch.tensors["old_logprob"] ([B, R] on every rank)."""
         all_metrics: list[dict] = []
         for idx in self._mini_batches(batch, mini_size, epochs, shuffle, seed):
             mini = batch.select(idx)
@@ -96,7 +104,18 @@ class Role:
                 else self.loss_scale_factor
             info = GlobalBatchInfo.of(mini.response_mask, scale_factor)
             scale = len(mbs) * self.mesh.dp      # metrics: mean over (mb, dp) x scale = sum
-            all_metrics.append(self.engine.train_step(mbs, loss_builder(info, scale)))
+            kept: list[torch.Tensor] = []
+            loss_fn = loss_builder(info, scale)
+            if keep_logprobs:
+                loss_fn = _keeping_logprobs(loss_fn, kept)
+            all_metrics.append(self.engine.train_step(mbs, loss_fn))
+            if keep_logprobs:
+                kept = broadcast_from_last_stage(kept, [mb.num_tokens for mb in mbs], self.mesh,
+                                                 device=self.engine.device)
+                old = torch.zeros(len(batch), batch.max_response_length)
+                old[torch.tensor(idx, dtype=torch.long)] = self._response_grid(mini, plan, mbs,
+                                                                               kept)
+                batch.tensors["old_logprob"] = old
         keys = all_metrics[0].keys()
         return {k: sum(m[k] for m in all_metrics) / len(all_metrics) for k in keys}
 
@@ -111,28 +130,41 @@ class Actor(Role):
         self.policy_loss = policy_loss_config(a)
         self.policy_loss_fn = get_policy_loss_fn(self.policy_loss.loss_mode)
 
+    def on_policy(self, num_sequences: int, n: int) -> bool:
+        """One mini-batch and one epoch: the update starts from the policy that pi_old is (verl's
+        dp_actor then takes the update's own log-probs, detached, as pi_old: the ratio is 1)."""
+        return self.cfg.ppo_epochs == 1 and num_sequences <= self.cfg.ppo_mini_batch_size * n
+
     def update(self, batch: Batch, n: int, seed: int) -> dict:
+        """One PPO update. On-policy, batch.tensors["old_logprob"] need not be there: the
+        update's forward gives it (set on the batch, for the metrics that compare pi_old with
+        the rollout's log-probs), with no forward of its own."""
         a = self.cfg
-        fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ()) \
+        on_policy = self.on_policy(len(batch), n)
+        fields = (() if on_policy else ("old_logprob",)) + ("advantages",) \
+            + (("ref_logprob",) if a.use_kl_loss else ()) \
             + (("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
         micro = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz)
         # clip_cov's random token subset: seeded by the step, drawn in the same order on every
         # TP rank of a replica (the same micro-batches, the same log-probs)
         generator = torch.Generator().manual_seed(seed)
         m = self._update(batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro,
-                         fields, lambda info, scale: self._loss(info, scale, generator))
+                         fields, lambda info, scale: self._loss(info, scale, generator, on_policy),
+                         keep_logprobs=on_policy and "old_logprob" not in batch.tensors)
         return {f"actor/{k}": v for k, v in m.items()}
 
-    def _loss(self, info: GlobalBatchInfo, scale: int, generator: torch.Generator):
+    def _loss(self, info: GlobalBatchInfo, scale: int, generator: torch.Generator,
+              on_policy: bool):
         a, mode = self.cfg, self.loss_agg_mode
         agg = (info.normalizer(mode), info.loss_scale_factor)
 
         def loss_fn(out, mb):
             t, mask = mb.tensors, mb.tensors["resp_mask"]
             logp, ent = out["logprob"][t["resp_idx"]], out["entropy"][t["resp_idx"]]
+            old = logp.detach() if on_policy else t["old_logprob"]
             # metrics: verl's names less "actor/" (update() adds it); per mode, see rl.losses
             pg_loss, pg_metrics = self.policy_loss_fn(
-                t["old_logprob"], logp, t["advantages"], mask, mode, self.policy_loss, info,
+                old, logp, t["advantages"], mask, mode, self.policy_loss, info,
                 rollout_is_weights=t.get("rollout_is_weights"), generator=generator)
             ent_loss = compute_entropy_loss(ent, mask, mode, *agg)
             loss = pg_loss - a.entropy_coeff * ent_loss
@@ -184,3 +216,11 @@ class Reference(Role):
             return super().score(batch, key)
         with adapters_disabled(self.engine.model):
             return super().score(batch, key)
+
+
+def _keeping_logprobs(loss_fn, kept: list):
+    """loss_fn that also appends each micro-batch's per-token log-probs (detached) to `kept`."""
+    def keeping(out, mb):
+        kept.append(out["logprob"].detach())
+        return loss_fn(out, mb)
+    return keeping

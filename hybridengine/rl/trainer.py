@@ -179,20 +179,24 @@ class Trainer:
             if batch is None:              # DAPO: no informative group within the budget
                 return {**gen_metrics, **self.generator.pop_metrics(),
                         **self.residency.pop_metrics()}
-            self._score(batch, timings, sync)
+            # verl's critic warm-up: the actor updates once step >= trainer.critic_warmup
+            update_actor = step >= self.cfg.trainer.critic_warmup
+            old_from_update = update_actor and self._old_logprob_from_update(len(batch))
+            self._score(batch, timings, sync, old_logprob=not old_from_update)
             with phase("adv", timings, sync):
-                # pi_old / pi_rollout importance weights on the whole batch (verl: same phase)
-                corr_metrics = apply_rollout_correction(batch, self.rollout_correction)
-                kl_metrics = {**self._advantages(batch), **corr_metrics}
+                kl_metrics = self._advantages(batch)
+                if not old_from_update:
+                    # pi_old / pi_rollout importance weights on the whole batch (verl: same phase)
+                    kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out = {}
             if self.critic is not None:
                 with phase("update_critic", timings, sync):
                     out.update(self.critic.update(batch, self._n, step))
-            # verl's critic warm-up: the actor updates once step >= trainer.critic_warmup
-            update_actor = step >= self.cfg.trainer.critic_warmup
             if update_actor:
                 with phase("update_actor", timings, sync):
                     out.update(self.actor.update(batch, self._n, step))
+            if old_from_update:     # metrics only: pi_old came with the update's forward
+                kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out["training/nan_skipped_updates"] = self._skipped_updates(out, len(batch), step)
             self._finish_schedules(update_actor)
         out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics(),
@@ -216,10 +220,20 @@ class Trainer:
         with self.phases.enter(name, timings, sync), record_function(name):
             yield
 
-    def _score(self, batch: Batch, timings, sync):
+    def _old_logprob_from_update(self, num_sequences: int) -> bool:
+        """On-policy (Actor.on_policy) and nothing before the update reads pi_old (no KL in the
+        reward, no rollout importance weights): the actor update's own forward gives the old
+        log-probs, and their separate forward is skipped. The loss is the same either way: on
+        the policy the update starts from, verl's actor takes its own log-probs, detached, as
+        pi_old (ratio 1)."""
+        return self.actor.on_policy(num_sequences, self._n) and \
+            not self.cfg.algorithm.use_kl_in_reward and self.rollout_correction.rollout_is is None
+
+    def _score(self, batch: Batch, timings, sync, old_logprob: bool = True):
         phase = self._phase
-        with phase("old_log_prob", timings, sync):
-            batch.tensors["old_logprob"] = self.actor.score(batch, "logprob")
+        if old_logprob:
+            with phase("old_log_prob", timings, sync):
+                batch.tensors["old_logprob"] = self.actor.score(batch, "logprob")
         if self.ref is not None:
             with phase("ref", timings, sync):
                 batch.tensors["ref_logprob"] = self.ref.score(batch, "logprob")
@@ -268,6 +282,7 @@ class Trainer:
     def _perf(self, batch: Batch, timings: dict) -> dict:
         flops = step_flops(self.actor.engine.cfg, batch.seqlens, self.cfg, self.ref is not None,
                            self.critic is not None)
+        flops = {p: f for p, f in flops.items() if p in timings}     # the phases that ran
         return perf_metrics(batch, timings, flops, self.world, self.peak, self.device)
 
     # --- validation ---------------------------------------------------------------------------
