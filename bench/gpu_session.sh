@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl);
@@ -96,4 +96,27 @@ for p in $parts; do case $p in
            T=${T:-600} run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
+  moe)     # issue 29, one GPU: the Qwen3-MoE-style 1B (64 experts, top 8) beside the dense model
+           # of its active width, rollout and GRPO (fixed 512 + 256 tokens, defaults)
+           data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
+           for m in qwen3-dense-active qwen3-moe-1b; do
+             run "rollout_$m" python3 tools/bench_rollout.py --model "$m" --compile --compile-prefill
+             T=${T:-580} run "grpo_$m" python3 tools/bench_ppo.py --workload fixed --algo grpo --defaults --steps 2 --model "$m" $data
+           done ;;
+  families|families_rollout|families_ppo)
+           # issue 26, one GPU: the Qwen3-0.6B, Qwen3-1.7B and Gemma-2-2B shapes beside Qwen2.5-0.5B
+           # in the same session, the same flags for each (FAMILY_MODELS: a subset). Rollout:
+           # compiled decode step and prefill; GRPO: 2 steps of fixed 512 + 256 tokens, defaults
+           fam=${FAMILY_MODELS:-qwen3-0.6b qwen3-1.7b gemma2-2b}
+           if [ "$p" != families_ppo ]; then
+             for m in qwen2.5-0.5b $fam; do
+               run "rollout_$m" python3 tools/bench_rollout.py --model "$m" --compile --compile-prefill
+             done
+           fi
+           if [ "$p" != families_rollout ]; then
+             data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
+             for m in 0.5b $fam; do
+               T=${T:-580} run "grpo_family_$m" python3 tools/bench_ppo.py --workload fixed --algo grpo --defaults --steps 2 --model "$m" $data
+             done
+           fi ;;
 esac; done

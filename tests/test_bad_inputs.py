@@ -188,7 +188,7 @@ def unsupported_model_type(tmp):
     (d / "config.json").write_text(json.dumps(dict(conf, model_type="gpt2")))
     return lambda: read_model_config(d), ValueError, \
         f"model_type='gpt2' in {d} is not supported (supported: llama, qwen2, qwen3, mistral, " \
-        f"gemma2, gemma3_text)"
+        f"gemma2, gemma3_text, qwen3_moe, mixtral)"
 
 
 def tokenizer_missing(tmp):

@@ -143,19 +143,19 @@ def test_ignored_keys_warn_once(caplog):
     with caplog.at_level(logging.WARNING, logger="hybridengine.config"):
         cfg = load_config(["actor_rollout_ref.model.use_remove_padding=True",
                            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-                           "+ray_init.num_cpus=4", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+                           "+ray_init.num_cpus=4", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
                            "trainer.balance_batch=True", "trainer.balance_batch=True"])
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert message.count("trainer.balance_batch") == 1
-    for key in ("use_remove_padding", "fsdp_config.param_offload", "ray_init.num_cpus", "ulysses"):
+    for key in ("use_remove_padding", "fsdp_config.param_offload", "ray_init.num_cpus", "expert_model"):
         assert key in message
     assert "fsdp_config" not in cfg.actor_rollout_ref.actor
 
 
 def test_unsupported_feature_rejected_unless_neutral():
-    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 is not supported"):
-        load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 is not supported"):
+        load_config(["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"])
 
 
 @pytest.mark.parametrize("override, message", [
@@ -354,6 +354,39 @@ def test_layout_derivation():
     assert (layout.rollout.tp, layout.rollout.dp, layout.rollout.micro_dp) == (2, 4, 2)
     # with tp = 1 sequence parallelism is off whatever the flag says
     assert not derive_layout(load_config(RECIPE), 1).actor.sequence_parallel
+
+
+_ULYSSES, _CP = "actor_rollout_ref.actor.ulysses_sequence_parallel_size", \
+    "actor_rollout_ref.actor.megatron.context_parallel_size"
+
+
+@pytest.mark.parametrize("overrides, attention", [
+    ([f"{_ULYSSES}=2"], "ulysses"), ([f"{_CP}=2"], "allgather"),
+    ([f"{_CP}=2", "actor_rollout_ref.actor.megatron.cp_comm_type=p2p"], "ring")])
+def test_context_parallel_layout(overrides, attention):
+    """Either key gives every role CP 2 (ref and critic follow the actor); CP ranks are replicas
+    for the generation layout."""
+    cfg = load_config(RECIPE + overrides + ["trainer.n_gpus_per_node=8",
+                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                                "actor_rollout_ref.actor.use_kl_loss=true"] + _tp_pp(2, 1))
+    layout = validate_config(cfg, world_size=8)
+    for role in (layout.actor, layout.ref, layout.critic):
+        assert (role.tp, role.cp, role.dp, role.cp_attention) == (2, 2, 2, attention)
+    assert (layout.rollout.dp, layout.rollout.micro_dp) == (4, 1)
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    ([f"{_ULYSSES}=2", f"{_CP}=2"], 4, f"{_ULYSSES}=2 and {_CP}=2: context parallelism is one"),
+    ([f"{_CP}=3"], 4, f"pipeline_model_parallel_size * {_CP} = 1*1*3 must be positive and divide"),
+    ([f"{_ULYSSES}=0"], 4, f"{_ULYSSES}=0 must be >= 1"),
+    ([f"{_CP}=2", "actor_rollout_ref.actor.ppo_mini_batch_size=3", "data.train_batch_size=3"], 4,
+     "do not split over data-parallel size 2 (= world / (tp 1 * pp 1 * cp 2))"),
+])
+def test_context_parallel_errors(overrides, world_size, message):
+    cfg = load_config(RECIPE + ["trainer.n_gpus_per_node=null"] + overrides)
+    with pytest.raises(ValueError) as info:
+        validate_config(cfg, world_size)
+    assert any(message in line for line in str(info.value).splitlines()), str(info.value)
 
 
 # --- the typed run config (config.run) -------------------------------------------------------

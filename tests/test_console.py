@@ -113,7 +113,8 @@ def test_default_job_console(tmp_path):
 def test_resumed_and_already_complete_lines(tmp_path):
     base = [f"trainer.default_local_dir={tmp_path}", "trainer.val_before_train=false",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-            "data.max_response_length=16"]
+            "data.max_response_length=16", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4"]      # the lines, not the batch
     _launch(base + ["trainer.total_training_steps=1"])
     lines = _launch(base + ["trainer.total_training_steps=2"])
     assert "start      resumed from global_step_1 (1 step to go)" in lines

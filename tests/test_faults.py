@@ -45,22 +45,24 @@ def _strip(rows):
 
 
 @pytest.mark.multiproc
-def test_kill9_under_torchrun_restarts_resumes_and_matches_uninterrupted(tmp_path):
-    args = ["trainer.total_training_steps=4", "trainer.save_freq=2", *SHORT]
-    clean = _torchrun(args + [f"trainer.default_local_dir={tmp_path / 'a'}"])
-    assert clean.returncode == 0, clean.stderr[-3000:]
+def test_kill9_under_torchrun_restarts_resumes_and_matches_uninterrupted(tmp_path,
+                                                                         uninterrupted_run):
+    # the uninterrupted run (conftest.uninterrupted_run: 4 steps, checkpoints at 2 and 4, SHORT)
+    # is tests/test_ppo_e2e.py's reference too
+    a_dir, args = uninterrupted_run
+    assert all(arg in args for arg in SHORT)
     killed = _torchrun(args + [f"trainer.default_local_dir={tmp_path / 'b'}"],
                        {"HYBRIDENGINE_KILL_AT_STEP": "3"}, restarts=1)
     assert killed.returncode == 0, killed.stderr[-5000:]
     assert "exitcode: -9" in killed.stderr                     # rank 0 really died at step 3
-    a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    a = read_metrics(a_dir / "metrics.jsonl")
     b = read_metrics(tmp_path / "b" / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]              # each step logged once
     assert _strip(a) == _strip(b)
     from safetensors.torch import load_file
     for f in ("actor/model-00001-of-00001.safetensors", "state/rank_00000.safetensors",
               "state/rank_00001.safetensors"):
-        ta = load_file(str(tmp_path / "a" / "global_step_4" / f))
+        ta = load_file(str(a_dir / "global_step_4" / f))
         tb = load_file(str(tmp_path / "b" / "global_step_4" / f))
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f
 

@@ -136,23 +136,33 @@ def test_bad_input_is_one_clear_error():
         fused_linear_logprob_entropy(hidden, weight, targets, None, VOCAB, impl="cuda")
 
 
+# positions asked for (RL's response tokens): the head runs on these only, the rest are 0
+PICKED = torch.tensor([1, 4, 5, 9, 11])
+
+
 def _tp_worker(rank, world):
     group = torch.distributed.group.WORLD
     per = padded_vocab_size(VOCAB, world) // world
     block = TOKENS // world
-    for dtype in (torch.float64, torch.float32):
+    keep = torch.zeros(TOKENS).index_fill(0, PICKED, 1.0)
+    for dtype, picked in ((torch.float64, None), (torch.float32, None), (torch.float64, PICKED)):
         hidden, weight, targets, w_lp, w_ent = _inputs(dtype, tp=world)
+        if picked is not None:          # the reference's loss reads those positions only
+            w_lp, w_ent = w_lp * keep.to(dtype), w_ent * keep.to(dtype)
         for temperature in (1.0, 0.7):
             ref_lp, ref_ent, ref_gh, ref_gw = _reference(hidden, weight, targets, w_lp, w_ent,
                                                          temperature)
+            if picked is not None:
+                ref_lp, ref_ent = ref_lp * keep.to(dtype), ref_ent * keep.to(dtype)
             for sp, chunk_cols in ((False, None), (False, 5), (True, 5), (True, None)):
                 rows = slice(rank * block, (rank + 1) * block) if sp else slice(None)
                 h = hidden[rows].clone().requires_grad_()
                 w = weight[rank * per:(rank + 1) * per].clone().requires_grad_()
                 logp, ent = fused_linear_logprob_entropy(h, w, targets, group, VOCAB, temperature,
-                                                         sp, chunk_cols)
+                                                         sp, chunk_cols, rows=picked)
                 _loss(logp, ent, w_lp, w_ent).backward()
-                what = f"{dtype} T={temperature} sp={sp} chunk={chunk_cols} rank={rank}"
+                what = f"{dtype} T={temperature} sp={sp} chunk={chunk_cols} rank={rank} " \
+                    f"picked={picked is not None}"
                 tol = TOL[dtype]
                 _assert_close(logp, ref_lp, tol, f"logprob {what}")
                 _assert_close(ent, ref_ent, tol, f"entropy {what}")

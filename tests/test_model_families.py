@@ -32,11 +32,11 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
 CASES = ["qwen3_tied", "qwen3", "llama3_rope", "linear_rope"]
 
 
-def family_hf_model(name: str, seed: int = 0):
+def family_hf_model(name: str, seed: int = 0, vocab: int = VOCAB):
     """A random tiny HF model of case `name` (GQA: 4 heads, 2 K/V heads, head_dim 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=128, rms_norm_eps=1e-6)
     if name.startswith("qwen3"):        # hidden / heads = 12 != head_dim

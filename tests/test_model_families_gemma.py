@@ -29,11 +29,11 @@ WINDOW = 5
 CASES = ["mistral", "gemma2", "gemma3"]
 
 
-def family_hf_model(name: str, seed: int = 0):
+def family_hf_model(name: str, seed: int = 0, vocab: int = VOCAB):
     """A random tiny HF model of family `name` (GQA: 4 heads, 2 K/V heads, head_dim 16)."""
     import transformers as tf
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                   rms_norm_eps=1e-6, sliding_window=WINDOW)
     if name == "mistral":

@@ -21,10 +21,13 @@ SBATCH = ROOT / "launch" / "slurm" / "ppo.sbatch"
 LAUNCHER_VARS = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC")
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
 ENV.update(HYBRIDENGINE_NO_PROGRESS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-# The default job (configs/tiny.yaml, actor tp=2), two steps. On 4 ranks: dp=2 for training,
-# 4 generation replicas (rollout tp 1).
+# The default job (configs/tiny.yaml, actor tp=2), two steps of 8 prompts (two mini-batches of
+# one micro-batch per rank each, as the default job's 16 prompts). On 4 ranks: dp=2 for
+# training, 4 generation replicas (rollout tp 1).
 SHORT = ["trainer.total_training_steps=2", "trainer.val_before_train=False",
-         "trainer.test_freq=2", "trainer.save_freq=2", "data.max_response_length=16"]
+         "trainer.test_freq=2", "trainer.save_freq=2", "data.max_response_length=16",
+         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
 
 # srun stand-in: runs the command once per "node" of SLURM_NNODES on this machine, with the
 # node's SLURM_NODEID / SLURM_PROCID and its --output file (%n: the node index).

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from hybridengine.rl.tracking import read_metrics
-from model_utils import FIXTURES
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN_TOKENIZER = ROOT.parent / "shared" / "models" / "qwen2-tokenizer"
 ENV = dict(os.environ, HYBRIDENGINE_NO_PROGRESS="1", OMP_NUM_THREADS="1",
            PYTHONPATH=str(ROOT))
 
@@ -48,37 +46,6 @@ def _launch(args, nproc=1, cwd=ROOT, check=True, timeout=600):
     return proc
 
 
-@pytest.fixture(scope="module")
-def gsm8k_setup(tmp_path_factory):
-    """A tiny random Qwen2 with the real Qwen2.5 tokenizer, and GSM8K parquet from 64 rows."""
-    if not QWEN_TOKENIZER.is_dir():
-        pytest.skip("../shared/models/qwen2-tokenizer is not there")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    base = tmp_path_factory.mktemp("gsm8k")
-    model_dir = base / "pretrained_models" / "Qwen2.5-0.5B-Instruct"
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      tie_word_embeddings=True, max_position_embeddings=1024)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(model_dir))
-    for f in QWEN_TOKENIZER.iterdir():
-        if f.suffix in (".json", ".txt"):
-            (model_dir / f.name).write_bytes(f.read_bytes())
-    raw = base / "raw"
-    raw.mkdir()
-    sample = (FIXTURES + "/gsm8k_sample.jsonl")
-    lines = Path(sample).read_text().splitlines()
-    shared = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-    if shared.is_file():
-        lines = shared.read_text().splitlines()[:64]
-    (raw / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (raw / "test.jsonl").write_text("\n".join(lines[:16]) + "\n")
-    subprocess.run([sys.executable, str(ROOT / "tools" / "data" / "gsm8k.py"), "--input_dir",
-                    str(raw), "--local_dir", str(base / "data" / "processed" / "gsm8k")],
-                   check=True, env=ENV, capture_output=True)
-    return base
-
-
 # The seed command's sizes are GPU-sized; these make 2 steps fit a 2-core CPU.
 CPU_SIZES = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "data.max_response_length=16", "trainer.total_training_steps=2",
@@ -112,21 +79,18 @@ def test_seed_command_ppo_runs_two_steps(gsm8k_setup):
 def test_grpo_and_dapo_run_two_steps(gsm8k_setup, algo):
     out = gsm8k_setup / algo
     # GRPO trains on every step: 4 prompts x 2 (a 152k vocabulary costs seconds per forward on
-    # the CPU); DAPO's filter drops this random model's uniform groups, so it trains little
+    # the CPU); DAPO (4 prompts x 4): its filter drops this random model's uniform groups, so it
+    # trains little
     extra = ["actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
              "actor_rollout_ref.actor.ppo_mini_batch_size=2"] if algo == "grpo" else \
-        ["actor_rollout_ref.rollout.n=4", "reward_model.overlong_buffer.len=8",
-         "algorithm.filter_groups.max_num_gen_batches=2"]
+        ["actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+         "reward_model.overlong_buffer.len=8", "algorithm.filter_groups.max_num_gen_batches=2"]
     _launch(SEED_COMMAND + CPU_SIZES + ["--config", str(ROOT / "configs" / f"{algo}.yaml"),
                                         f"trainer.default_local_dir={out}", *extra],
             cwd=gsm8k_setup)
     rows = read_metrics(out / "metrics.jsonl")
     assert max(r["step"] for r in rows) == 2
     assert any("timing_s/step" in r or "train/num_gen_batches" in r for r in rows)
-
-
-TINY_FAST = ["trainer.test_freq=-1", "trainer.val_before_train=False",
-             "data.max_response_length=24"]
 
 
 @pytest.mark.multiproc
@@ -146,9 +110,9 @@ def _strip(rows):
 
 
 @pytest.mark.multiproc
-def test_kill9_then_resume_matches_uninterrupted_and_hf_loads(tmp_path):
-    args = ["trainer.total_training_steps=4", "trainer.save_freq=2", *TINY_FAST]
-    _launch(args + [f"trainer.default_local_dir={tmp_path / 'a'}"], nproc=2)
+def test_kill9_then_resume_matches_uninterrupted_and_hf_loads(tmp_path, uninterrupted_run):
+    # the uninterrupted run (conftest.uninterrupted_run) is tests/test_faults.py's reference too
+    a_dir, args = uninterrupted_run
     killed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
          str(29600 + os.getpid() % 1000), str(ROOT / "launch" / "ppo.py"), *args,
@@ -159,20 +123,20 @@ def test_kill9_then_resume_matches_uninterrupted_and_hf_loads(tmp_path):
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text() == "2"
     _launch(args + [f"trainer.default_local_dir={tmp_path / 'b'}", "trainer.resume_mode=auto"],
             nproc=2)
-    a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    a = read_metrics(a_dir / "metrics.jsonl")
     b = read_metrics(tmp_path / "b" / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert _strip(a) == _strip(b)
     from safetensors.torch import load_file
     for f in ("model-00001-of-00001.safetensors",):
-        ta = load_file(str(tmp_path / "a" / "global_step_4" / "actor" / f))
+        ta = load_file(str(a_dir / "global_step_4" / "actor" / f))
         tb = load_file(str(tmp_path / "b" / "global_step_4" / "actor" / f))
         assert all(torch.equal(ta[k], tb[k]) for k in ta)
     # The checkpoint is a complete HF model: transformers loads it and gives our logits.
     from transformers import AutoModelForCausalLM
     from hybridengine.models.attention import PackedInput
     from hybridengine.models.hf import load_decoder
-    actor = tmp_path / "a" / "global_step_4" / "actor"
+    actor = a_dir / "global_step_4" / "actor"
     hf = AutoModelForCausalLM.from_pretrained(str(actor)).eval()
     ours = load_decoder(actor)
     ids = torch.tensor([1, 403, 261, 378, 306, 370, 265, 261])

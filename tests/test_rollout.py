@@ -481,15 +481,35 @@ def test_auto_backend_falls_back_triton_then_flash_then_per_head_then_sdpa(monke
         attention.resolve_backend("triton", cuda, bf16, (8, 4, 8))
 
 
-def _run_in_triton_interpreter(script: str) -> None:
-    """Run a check script in a fresh process (it sets TRITON_INTERPRET=1 before importing the
-    kernels); it prints "ok" when every assertion held."""
+def _run_in_triton_interpreter(*scripts: str) -> None:
+    """Run each check script in a fresh process (it sets TRITON_INTERPRET=1 before importing
+    the kernels); each prints "ok" when every assertion held. Several scripts run at once: the
+    interpreter is single-threaded, and CI's second core is otherwise idle during the test."""
     pytest.importorskip("triton")
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    import tempfile
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        try:
+            for i, script in enumerate(scripts):
+                out, err = (open(os.path.join(tmp, f"{i}.{s}"), "w+") for s in ("out", "err"))
+                procs.append((subprocess.Popen([sys.executable, "-c", script], stdout=out,
+                                               stderr=err, text=True, env=env), out, err))
+            for proc, out, err in procs:
+                proc.wait(timeout=300)
+            for proc, out, err in procs:
+                out.seek(0)
+                err.seek(0)
+                assert proc.returncode == 0 and out.read().strip() == "ok", err.read()[-3000:]
+        finally:
+            for proc, out, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+                err.close()
 
 
 # The tail of an interpreter check script that defined `model`, `prompts`, `max_model_len` and
@@ -613,12 +633,14 @@ def test_triton_kv_write_matches_index_put_in_the_interpreter():
     _run_in_triton_interpreter(KV_WRITE_CHECK)
 
 
-SAMPLER_CHECK = """
+SAMPLER_HEAD = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
 from hybridengine.kernels.sampler import sample_temperature
 from hybridengine.rollout.sampling import SamplerMode, sample_torch, uniforms
 torch.manual_seed(0)
+"""
+SAMPLER_CHECK = SAMPLER_HEAD + """
 keys = torch.randint(0, 2**32, (64,), dtype=torch.int64)
 u = uniforms(keys, torch.arange(64))
 # 1000: a partial last block, one chunk; 5000: three chunks with maxima far apart; the last
@@ -639,6 +661,9 @@ for V, spread, shift in ((1000, 3.0, 0.0), (5000, 12.0, 0.0), (5000, 3.0, -200.0
             exact = x64.log_softmax(-1).gather(1, tok[:, None])[:, 0]
             exact_t = (x64 / T).log_softmax(-1).gather(1, tok[:, None])[:, 0]
             assert (lp - exact).abs().max() < 1e-5 and (slp - exact_t).abs().max() < 1e-5
+print("ok")
+"""
+SAMPLER_DRAWS_CHECK = SAMPLER_HEAD + """
 # the draw's distribution: 1500 draws from one row against softmax(z / 0.7), chi-square over
 # 8 tokens spread across two blocks (the rest has weight ~0)
 z = torch.full((136,), -40.0)
@@ -664,7 +689,9 @@ def test_fused_sampler_matches_the_torch_sampler_in_the_interpreter():
     from the same uniforms, over partial blocks, several chunks and a row far below zero, fp32
     and fp16 logits, with log-probs within 1e-5 of float64; its draws follow softmax(z / T)
     (chi-square)."""
-    _run_in_triton_interpreter(SAMPLER_CHECK)
+    # two processes at once (no value depends on the other half: the draws' uniforms come
+    # from fixed keys, not from the generator seeded above)
+    _run_in_triton_interpreter(SAMPLER_CHECK, SAMPLER_DRAWS_CHECK)
 
 
 SETTINGS_CHECK = """

@@ -10,7 +10,7 @@ import torch
 
 from hybridengine.config import load_config
 from hybridengine.rl.tracking import Tracker, read_metrics
-from test_ppo_e2e import CPU_SIZES, _launch, gsm8k_setup  # noqa: F401 - gsm8k_setup: a fixture
+from test_ppo_e2e import CPU_SIZES, _launch
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "models" / "stories260k"
@@ -25,14 +25,16 @@ def readme_verl_command() -> list[str]:
     return args[args.index("launch/ppo.py") + 1:]
 
 
-def test_readme_verl_command_runs_a_step_as_written(gsm8k_setup):  # noqa: F811
+def test_readme_verl_command_runs_a_step_as_written(gsm8k_setup):
     """Its relative paths are where gsm8k_setup put a tiny Qwen2 and GSM8K parquet; only the
     GPU-sized batch and lengths are shrunk after it, and one step is asked for."""
     args = readme_verl_command()
     assert "actor_rollout_ref.model.path=pretrained_models/Qwen2.5-0.5B-Instruct" in args
     out = gsm8k_setup / "readme"
+    # 4 prompts, as the seed command's test (the 152k vocabulary costs per token on the CPU)
     _launch(args + CPU_SIZES + ["trainer.total_training_steps=1", "trainer.test_freq=-1",
-                                f"trainer.default_local_dir={out}"], cwd=gsm8k_setup)
+                                "data.train_batch_size=4", f"trainer.default_local_dir={out}"],
+            cwd=gsm8k_setup)
     (row,) = read_metrics(out / "metrics.jsonl")
     assert row["step"] == 1 and "actor/pg_loss" in row and "critic/vf_loss" in row
 

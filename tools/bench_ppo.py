@@ -2,8 +2,10 @@
 
 Every phase of the real trainer runs: rollout (built-in engine), reshard, reward, old/ref
 log-probs, values, critic and actor updates. Model: a Qwen2.5 shape (--model 0.5b, the default,
-1.5b, 3b or 7b: QWEN25) with random bf16 weights, saved once as an HF directory with the Qwen2.5
-tokenizer. Workloads:
+1.5b, 3b or 7b: QWEN25) or another family's (qwen3-0.6b, qwen3-1.7b, gemma2-2b: models/shapes.py)
+with random bf16 weights, saved once as an HF directory with the Qwen2.5 tokenizer (Qwen3's but
+for its thinking tokens; Gemma 2 reads only the first 151,665 of its 256,000 embedding rows).
+Workloads:
   seed   GSM8K train prompts with the seed's instruction and chat template (max 512 tokens),
          responses forced to 256 tokens (random weights rarely stop)
   fixed  512-token prompts + 256-token responses
@@ -50,6 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 from hybridengine.config import load_config  # noqa: E402
+from hybridengine.models.hf_config import hf_config  # noqa: E402
+from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
 from hybridengine.rl.memory import device_budget, plan_run_memory  # noqa: E402
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
@@ -71,6 +75,8 @@ QWEN25 = {"0.5b": (896, 4864, 24, 14, 2, 151936, True),
           "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
           "3b": (2048, 11008, 36, 16, 2, 151936, True),
           "7b": (3584, 18944, 28, 28, 4, 152064, False)}
+FAMILIES = ("qwen3-0.6b", "qwen3-1.7b", "gemma2-2b", "qwen3-moe-1b",   # models.shapes.SHAPES
+            "qwen3-dense-active")
 
 
 def log(msg: str) -> None:
@@ -88,14 +94,23 @@ def qwen25_config(size: str):
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
+def model_config(size: str):
+    """The transformers config of --model `size`: a key of QWEN25 or one of FAMILIES."""
+    return qwen25_config(size) if size in QWEN25 else hf_config(SHAPES[size][0])
+
+
+def model_name(size: str) -> str:
+    return f"qwen2.5-{size}" if size in QWEN25 else size
+
+
 def make_model(out: Path, tokenizer_dir: Path, size: str = "0.5b") -> Path:
-    """A random Qwen2.5-<size>-shaped HF directory (bf16) with the Qwen2.5 tokenizer."""
-    from transformers import Qwen2ForCausalLM
+    """A random HF directory (bf16) of --model `size`'s shape with the Qwen2.5 tokenizer."""
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()
     # initialised in bf16: an fp32 model cast afterwards would hold 30 GB more at 7B
     with torch.device("cuda" if cuda else "cpu"):
-        model = Qwen2ForCausalLM._from_config(qwen25_config(size), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(model_config(size), dtype=torch.bfloat16)
     model.save_pretrained(str(out))
     del model
     if cuda:        # the writer's weights are no part of the run's measured peak
@@ -215,7 +230,7 @@ def summarize(metrics_file: Path, after: int) -> dict:
 
 def prepare(args, work: Path) -> tuple[list[str], Path]:
     """The model, the prompts (and validation prompts) in `work`; the run's overrides."""
-    log(f"writing a random Qwen2.5-{args.model}-shaped model and the prompts")
+    log(f"writing a random {model_name(args.model)}-shaped model and the prompts")
     work.mkdir(parents=True, exist_ok=True)
     model_dir = make_model(work / "model", Path(args.tokenizer), args.model)
     data = make_data(work, args.workload, Path(args.gsm8k), num_rows=2048)
@@ -280,7 +295,7 @@ def run(args) -> dict:
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
-            "model": "stories260k" if args.tiny else f"qwen2.5-{args.model}",
+            "model": "stories260k" if args.tiny else model_name(args.model),
             "algo": "grpo" if args.tiny else args.algo, "sequences_per_step":
                 cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n,
             "rollout_compile": cfg.actor_rollout_ref.rollout.compile,
@@ -298,8 +313,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", choices=("seed", "fixed"), default="seed")
     ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo")
-    ap.add_argument("--model", choices=tuple(QWEN25), default="0.5b",
-                    help="the Qwen2.5 shape of the random model (not --tiny's)")
+    ap.add_argument("--model", choices=(*QWEN25, *FAMILIES), default="0.5b",
+                    help="the shape of the random model (not --tiny's)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch")

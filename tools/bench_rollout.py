@@ -1,17 +1,15 @@
 """Rollout throughput of the built-in engine, next to Hugging Face `generate` in the same run.
 
-Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 / 2 KV heads, head 64, ffn 4864, vocab 151936,
-tied, qkv bias) with random bf16 weights built directly as a Decoder (no files); `batch` prompts
-of `prompt_len` random tokens, `new_tokens` generated per prompt ignoring EOS (sampling at
-temperature 1). Reports generated tokens/s and (prompt + response) tokens/s, the engine's
-prefill / decode split, and a check of its log-probs against the training forward. JSON to
-stdout, progress to stderr.
+A --model shape (models/shapes.py: qwen2.5-0.5b, the default, qwen3-0.6b, qwen3-1.7b, gemma2-2b)
+with random bf16 weights built directly as a Decoder (no files); `batch` prompts of `prompt_len`
+random tokens, `new_tokens` generated per prompt ignoring EOS (sampling at temperature 1).
+Reports generated and (prompt + response) tokens/s, the engine's prefill / decode split, and a
+check of its log-probs against the training forward. JSON to stdout, progress to stderr.
 
-    python tools/bench_rollout.py [--batch 256] [--prompt-len 512] [--new-tokens 256] [--hf]
-                                  [--variants sdpa,eager,compile] [--profile]
---profile: one more generate under torch.profiler; "profile" holds its kernel table for prefill
-and decode (tools/profiling.py) and the decode kernels per step.
-    python tools/bench_rollout.py --tiny [--hf]          # CPU smoke run on a tiny model
+    python tools/bench_rollout.py [--model qwen2.5-0.5b] [--batch 256] [--prompt-len 512]
+                                  [--new-tokens 256] [--hf] [--variants sdpa,eager] [--profile]
+--profile: one more generate under torch.profiler; "profile": its kernels (tools/profiling.py).
+    python tools/bench_rollout.py --tiny [--hf] [--model M]   # CPU smoke run: M's family, tiny
 """
 from __future__ import annotations
 
@@ -36,12 +34,19 @@ from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
 from hybridengine.rollout.rollout_config import (BACKENDS, PREFILL_ATTENTION,  # noqa: E402
                                                  CompileMode, RolloutConfig)
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
-
-from hybridengine.models.shapes import QWEN2_5_0_5B, TINY  # noqa: E402
+from hybridengine.models.hf_config import hf_config  # noqa: E402
+from hybridengine.models.shapes import SHAPES  # noqa: E402
 from profiling import profile_ranges  # noqa: E402
 
-# vLLM's CPU attention needs head_dim >= 32
-TINY_VLLM = replace(TINY, hidden_size=128, intermediate_size=256, head_dim=32)
+
+def model_shape(model: str, tiny: bool, vllm: bool) -> tuple[ModelConfig, str]:
+    """(the shape, its name): --model's, or its family's smoke-test shape (vLLM's CPU attention
+    needs head_dim >= 32)."""
+    full, small = SHAPES[model]
+    if vllm:
+        small = replace(small, hidden_size=128, intermediate_size=256, head_dim=32)
+    return (small, "tiny" if model == "qwen2.5-0.5b" else f"tiny-{model}") if tiny \
+        else (full, f"{model}-shape")
 
 
 def log(msg: str) -> None:
@@ -186,17 +191,12 @@ def profile_generate(engine, prompts, params) -> dict:
 
 
 def bench_hf(cfg: ModelConfig, prompts, args, device, dtype) -> dict:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    hf_cfg = Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size,
-                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                         num_key_value_heads=cfg.num_kv_heads, tie_word_embeddings=True,
-                         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                         attn_implementation="sdpa")
+    from transformers import AutoModelForCausalLM
+    hf_cfg = hf_config(replace(cfg, max_position_embeddings=4096))
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(hf_cfg).to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+    model = model.to(dtype).eval()
     ids = torch.tensor(prompts, device=device)
     kw = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p,
               top_k=max(args.top_k, 0), attention_mask=torch.ones_like(ids), pad_token_id=0)
@@ -219,19 +219,11 @@ def bench_hf(cfg: ModelConfig, prompts, args, device, dtype) -> dict:
 def bench_vllm(cfg: ModelConfig, model, prompts, args, dtype) -> dict:
     """The vLLM backend on the same weights and prompts (its engine start is not timed)."""
     import tempfile
-    from transformers import AutoConfig
     from hybridengine.hybrid.hf_stream import hf_weight_stream
     from hybridengine.rollout.vllm import VllmRollout
     max_len = args.prompt_len + args.new_tokens
     with tempfile.TemporaryDirectory() as model_dir:     # config.json only: weights come below
-        AutoConfig.for_model(
-            cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-            tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=max_len,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        ).save_pretrained(model_dir)
+        hf_config(replace(cfg, max_position_embeddings=max_len)).save_pretrained(model_dir)
         log("vllm: engine start")
         rollout = VllmRollout(model_dir, cfg, 1, dtype=dtype, max_model_len=max_len,
                               max_num_seqs=args.batch, enforce_eager=args.eager)
@@ -257,6 +249,7 @@ def bench_vllm(cfg: ModelConfig, model, prompts, args, dtype) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-0.5b", choices=tuple(SHAPES))
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -343,15 +336,14 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    tiny = args.tiny or (args.vllm and not cuda)
-    cfg = (TINY_VLLM if args.vllm else TINY) if tiny else QWEN2_5_0_5B
-    log(f"building {'tiny' if tiny else 'Qwen2.5-0.5B-shape'} decoder on {device} {dtype}")
+    cfg, shape = model_shape(args.model, args.tiny or (args.vllm and not cuda), args.vllm)
+    log(f"building the {shape} decoder on {device} {dtype}")
     torch.manual_seed(0)
     model = Decoder(cfg, dtype=dtype, device=device).eval()
     prompts = random_prompts(args.batch, args.prompt_len, cfg.vocab_size,
                              min_len=args.prompt_len_min)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-           "model": "tiny" if tiny else "qwen2.5-0.5b-shape", "dtype": str(dtype),
+           "model": shape, "dtype": str(dtype),
            "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "prompt_len_min": args.prompt_len_min, "prompt_tokens": sum(map(len, prompts)),
            "sampling": {"temperature": args.temperature, "top_p": args.top_p,

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hybridengine.config.errors import ConfigError
 from hybridengine.config.loading import ACTOR as _A, REF as _F, ROLLOUT as _R
-from hybridengine.parallel.layout import GenLayout, Layout, RunLayout
+from hybridengine.parallel.layout import CP_COMM_TYPES, GenLayout, Layout, RunLayout
 
 _M = "actor_rollout_ref.model."
 
@@ -35,10 +35,27 @@ def uses_reference(cfg: DictConfig) -> bool:
     return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
-def _role_layout(megatron: DictConfig, section: str, world_size: int) -> Layout:
+def _role_layout(role: DictConfig, section: str, world_size: int) -> Layout:
+    """A role's layout; its context parallelism from either of verl's keys: Ulysses
+    (ulysses_sequence_parallel_size) or megatron.context_parallel_size, K/V all-gathered or in
+    a ring by megatron.cp_comm_type."""
+    megatron, ulysses = role.megatron, role.ulysses_sequence_parallel_size
+    cp = megatron.context_parallel_size
+    for key, size in (("ulysses_sequence_parallel_size", ulysses),
+                      ("megatron.context_parallel_size", cp)):
+        if size < 1:
+            raise ValueError(f"{section}.{key}={size} must be >= 1")
+    if ulysses > 1 and cp > 1:
+        raise ValueError(f"{section}.ulysses_sequence_parallel_size={ulysses} and "
+                         f"{section}.megatron.context_parallel_size={cp}: context parallelism "
+                         f"is one or the other (set the unused one to 1)")
+    size, attention, key = (ulysses, "ulysses", "ulysses_sequence_parallel_size") \
+        if ulysses > 1 else (cp, CP_COMM_TYPES[megatron.cp_comm_type],
+                             "megatron.context_parallel_size")
     return Layout.of_world(megatron.tensor_model_parallel_size,
                            megatron.pipeline_model_parallel_size, world_size,
-                           bool(megatron.sequence_parallel), section)
+                           bool(megatron.sequence_parallel), section + ".megatron", size,
+                           attention, f"{section}.{key}")
 
 
 def derive_layout(cfg: DictConfig, world_size: int) -> RunLayout:
@@ -47,9 +64,9 @@ def derive_layout(cfg: DictConfig, world_size: int) -> RunLayout:
     if world_size < 1:
         raise ValueError(f"world size {world_size} must be >= 1")
     aro = cfg.actor_rollout_ref
-    actor = _role_layout(aro.actor.megatron, _A + "megatron", world_size)
-    ref = _role_layout(aro.ref.megatron, _F + "megatron", world_size) if uses_reference(cfg) else None
-    critic = _role_layout(cfg.critic.megatron, "critic.megatron", world_size) if uses_critic(cfg) else None
+    actor = _role_layout(aro.actor, _A.rstrip("."), world_size)
+    ref = _role_layout(aro.ref, _F.rstrip("."), world_size) if uses_reference(cfg) else None
+    critic = _role_layout(cfg.critic, "critic", world_size) if uses_critic(cfg) else None
     rollout = GenLayout(actor, aro.rollout.tensor_model_parallel_size)
     return RunLayout(actor, rollout, ref, critic)
 
@@ -159,7 +176,8 @@ def _check_train_batches(cfg: DictConfig, section: str, role: Layout) -> Iterato
     sequences = mini * n
     if sequences % role.dp:
         yield (f"{section}.ppo_mini_batch_size * rollout.n = {mini}*{n} sequences do not split "
-               f"over data-parallel size {role.dp} (= world / (tp {role.tp} * pp {role.pp}))")
+               f"over data-parallel size {role.dp} (= world / (tp {role.tp} * pp {role.pp}"
+               f"{f' * cp {role.cp}' if role.cp > 1 else ''}))")
     micro = node.ppo_micro_batch_size_per_gpu
     if node.use_dynamic_bsz:
         return

@@ -14,6 +14,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     """{key: its allowed values} for the keys that take one of a list (module doc)."""
     from hybridengine.hybrid.generator import BACKENDS as ROLLOUT_BACKENDS
     from hybridengine.hybrid.plan import MODES as RESHARD_MODES
+    from hybridengine.parallel.layout import CP_COMM_TYPES
     from hybridengine.rl.advantages import FILTER_METRICS, adv_estimator_names
     from hybridengine.rl.checkpointing import RESUME_MODES
     from hybridengine.rl.data import TRUNCATION_MODES
@@ -35,6 +36,8 @@ def choices() -> dict[str, tuple[str, ...]]:
                         WARMUP_STYLES),
         **dict.fromkeys((_A + "megatron.param_dtype", _F + "megatron.param_dtype",
                          "critic.megatron.param_dtype", _R + "dtype"), PARAM_DTYPES),
+        **dict.fromkeys((_A + "megatron.cp_comm_type", _F + "megatron.cp_comm_type",
+                         "critic.megatron.cp_comm_type"), tuple(CP_COMM_TYPES)),
         _R + "name": ROLLOUT_BACKENDS,
         _R + "attn_backend": ATTN_BACKENDS,
         _R + "prefill_attention": PREFILL_ATTENTION,

@@ -81,6 +81,8 @@ class RefMegatronSection:
     """A role's parallel sizes, precision and weight offload (the reference: no optimizer)."""
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
+    context_parallel_size: int
+    cp_comm_type: str
     sequence_parallel: bool
     param_dtype: str
     param_offload: bool | str             # false | true | "auto" (rl.memory resolves it)
@@ -111,11 +113,14 @@ class ActorConfig:
     loss_scale_factor: float | None
     policy_loss: PolicyLossSection
     entropy_coeff: float
+    router_aux_loss_coef: float
+    router_z_loss_coef: float
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
     grad_clip: float
     optim: OptimSection
+    ulysses_sequence_parallel_size: int
     megatron: MegatronSection
 
 
@@ -162,6 +167,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None
     log_prob_use_dynamic_bsz: bool
     log_prob_max_token_len_per_gpu: int
+    ulysses_sequence_parallel_size: int
     megatron: RefMegatronSection
 
 
@@ -188,6 +194,7 @@ class CriticConfig:
     grad_clip: float
     cliprange_value: float
     use_torch_compile: bool
+    ulysses_sequence_parallel_size: int
     megatron: MegatronSection
 
 

@@ -263,8 +263,10 @@ def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                  targets: torch.Tensor, tp_group=None,
                                  vocab_size: int | None = None, temperature: float = 1.0,
                                  sequence_parallel: bool = False, chunk_cols: int | None = None,
-                                 impl: str | None = None):
+                                 impl: str | None = None, rows: torch.Tensor | None = None):
     """Log-prob of `targets` and entropy of softmax(hidden·weight^T / temperature), per token.
+    rows: the (gathered) token positions wanted; the others' outputs are 0 and their head GEMMs
+    never run (RL scores response tokens only).
 
     hidden: [T, H], or this rank's [T/tp, H] block with sequence_parallel (all-gathered here;
     backward reduce-scatters), else replicated over TP (backward all-reduces). weight: this rank's
@@ -281,5 +283,14 @@ def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     # Out-of-range ids (e.g. ignore indices) become -1: owned by no chunk on any rank.
     targets = targets.to(device=x.device, dtype=torch.long)
     targets = torch.where((targets >= 0) & (targets < vocab_size), targets, -1).contiguous()
-    return _FusedLinearLogprobEntropy.apply(x, weight, targets, tp_group, vocab_size,
-                                            float(temperature), chunk_cols, _chunk_ops(x, impl))
+    if rows is None:
+        return _FusedLinearLogprobEntropy.apply(x, weight, targets, tp_group, vocab_size,
+                                                float(temperature), chunk_cols,
+                                                _chunk_ops(x, impl))
+    rows = rows.to(device=x.device, dtype=torch.long)
+    picked = x.index_select(0, rows)
+    lp, ent = _FusedLinearLogprobEntropy.apply(picked, weight, targets.index_select(0, rows),
+                                               tp_group, vocab_size, float(temperature),
+                                               chunk_cols, _chunk_ops(picked, impl))
+    zeros = lp.new_zeros(x.shape[0])
+    return zeros.index_copy(0, rows, lp), zeros.index_copy(0, rows, ent)

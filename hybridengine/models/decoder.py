@@ -35,6 +35,7 @@ from hybridengine.kernels import fused_linear_logprob_entropy
 from hybridengine.models.attention import PackedCausalAttention, PackedInput, RotaryEmbedding, \
     apply_rope
 from hybridengine.models.features import AttentionSpec, GemmaRMSNorm, activation, softcap
+from hybridengine.models.moe import MoEMLP
 from hybridengine.parallel.vocab import vocab_parallel_logprob_entropy
 from hybridengine.parallel.tensor import ColumnParallelLinear, RowParallelLinear, \
     VocabParallelEmbedding, copy_to_tp, gather_from_sp, gather_from_sp_copy, group_size, \
@@ -70,6 +71,14 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     hidden_act: str = "silu"
     rope_local_theta: float | None = None     # Gemma 3's sliding layers (default RoPE)
+    # mixture of experts (Qwen3-MoE, Mixtral; models.moe): 0 experts is a dense model. A layer
+    # is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th (HF's names)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def gemma(self) -> bool:
@@ -90,6 +99,10 @@ class ModelConfig:
                              self.attn_softcap, scale)
         return None if spec == AttentionSpec() else spec
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and \
+            (layer + 1) % self.decoder_sparse_step == 0
+
     def check_tp(self, tp: int) -> None:
         if self.num_heads % tp:
             raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by "
@@ -98,14 +111,30 @@ class ModelConfig:
             raise ValueError(f"num_key_value_heads={self.num_kv_heads} is not divisible by "
                              f"tensor parallel size {tp}")
 
+    def check_cp(self, tp: int, cp: int, cp_attention: str) -> None:
+        """Ulysses gives each CP rank whole query heads of its TP shard (K/V heads are repeated
+        where they do not split); all-gather and ring attention split no heads. The CP
+        attentions are plain causal softmax: no window, soft-cap or query scale."""
+        if cp > 1 and any(self.attention_spec(i) for i in range(self.num_layers)):
+            key = "ulysses_sequence_parallel_size" if cp_attention == "ulysses" else \
+                "megatron.context_parallel_size"
+            raise ValueError(f"{key}={cp}: context parallelism does not support the sliding-"
+                             f"window / soft-capped / rescaled attention of {self.model_type}")
+        if cp > 1 and cp_attention == "ulysses" and (self.num_heads // tp) % cp:
+            raise ValueError(f"ulysses_sequence_parallel_size={cp} must divide the query heads "
+                             f"per tensor-parallel rank, num_attention_heads/tp = "
+                             f"{self.num_heads}/{tp}")
+
     def num_params(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h + \
-            (2 * self.head_dim if self.qk_norm else 0)
+        layer = attn + (4 if self.gemma else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        dense = 3 * h * self.intermediate_size
+        sparse = self.num_experts * (3 * h * self.moe_intermediate_size + h)    # + the router
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        return sum(layer + (sparse if self.is_moe_layer(i) else dense)
+                   for i in range(self.num_layers)) + emb + h
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
@@ -201,7 +230,8 @@ class DecoderLayer(nn.Module):
         self.sandwich = cfg.gemma
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(h, eps, dtype, device)
-        self.mlp = MLP(cfg, group, sp, dtype, device)
+        self.mlp = MoEMLP(cfg, group, sp, dtype, device) if cfg.is_moe_layer(layer_idx) \
+            else MLP(cfg, group, sp, dtype, device)
         if self.sandwich:
             self.post_feedforward_layernorm = norm(h, eps, dtype, device)
         # Gemma 3: sliding layers rotate with their own RoPE base (Decoder.forward's tables)
@@ -306,17 +336,19 @@ class Decoder(nn.Module):
         full = all_gather_dim0(local.t().contiguous(), self.tp_group).t()
         return full[:, : self.cfg.vocab_size]
 
-    def logprob_entropy(self, hidden, targets, temperature: float = 1.0):
+    def logprob_entropy(self, hidden, targets, temperature: float = 1.0, rows=None):
         """Per-token log p(targets) and entropy [T], without gathering the vocabulary; the head
         GEMM is fused in chunks of the vocabulary, so the [T, V] logits never exist in full.
-        With a final soft-cap (Gemma 2) the fused kernels do not apply: this rank's [T, V/tp]
-        logits exist, capped, and parallel/vocab.py's function reads them."""
+        rows: the only positions computed (others 0). With a final soft-cap (Gemma 2) the
+        fused kernels do not apply: this rank's [T, V/tp] logits exist, capped, and
+        parallel/vocab.py's function reads them (every position)."""
         if self.cfg.final_softcap is not None:
             return vocab_parallel_logprob_entropy(self.logits_local(hidden), targets,
                                                   self.tp_group, self.cfg.vocab_size,
                                                   temperature)
         return fused_linear_logprob_entropy(hidden, self.head_weight, targets, self.tp_group,
-                                            self.cfg.vocab_size, temperature, self.sp)
+                                            self.cfg.vocab_size, temperature, self.sp,
+                                            rows=rows)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """Scalar value per token [T] (critic)."""

@@ -76,6 +76,8 @@ def param_plan(local_name: str, cfg: ModelConfig, tp: int, tp_rank: int,
                 for p, n in (("q", q), ("k", kv), ("v", kv))]
     if rest == "self_attn.o_proj.weight":
         return [Piece(prefix + "self_attn.o_proj.weight", 1, tp_rank * q, (tp_rank + 1) * q, 1)]
+    if rest.startswith("mlp.gate.") or rest.startswith("mlp.experts."):
+        return _expert_plan(prefix, rest, cfg, tp, tp_rank)
     if rest == "mlp.gate_up_proj.weight":
         return [Piece(f"{prefix}mlp.{p}_proj.weight", 0, tp_rank * ffn, (tp_rank + 1) * ffn)
                 for p in ("gate", "up")]
@@ -87,6 +89,28 @@ def param_plan(local_name: str, cfg: ModelConfig, tp: int, tp_rank: int,
     if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         return [Piece(prefix + rest, 0, 0, d)]     # one [head_dim] weight for every head
     raise KeyError(f"no HF mapping for parameter {local_name!r}")
+
+
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight")
+# Mixtral's block_sparse_moe names: w1 gate, w3 up, w2 down
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _expert_plan(prefix: str, rest: str, cfg: ModelConfig, tp: int, tp_rank: int) -> list[Piece]:
+    """The router (whole on every rank) and each expert's SwiGLU, split over TP as the dense
+    MLP is (models.moe)."""
+    block, gate, up, down = _MOE_NAMES.get(cfg.model_type, ("mlp", "gate_proj", "up_proj",
+                                                            "down_proj"))
+    if rest == "mlp.gate.weight":
+        return [Piece(f"{prefix}{block}.gate.weight", 0, 0, cfg.num_experts)]
+    m = _EXPERT.fullmatch(rest)
+    if not m:
+        raise KeyError(f"no HF mapping for parameter {prefix}{rest!r}")
+    at, ffn = f"{prefix}{block}.experts.{m.group(1)}.", cfg.moe_intermediate_size // tp
+    if m.group(2) == "gate_up_proj":
+        return [Piece(f"{at}{p}.weight", 0, tp_rank * ffn, (tp_rank + 1) * ffn)
+                for p in (gate, up)]
+    return [Piece(f"{at}{down}.weight", 1, tp_rank * ffn, (tp_rank + 1) * ffn, 1)]
 
 
 def is_tp_replicated(local_name: str, cfg: ModelConfig, tp: int) -> bool:
@@ -206,7 +230,7 @@ def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,
     out = Path(out_dir)
     tmp = out.parent / f".{out.name}.tmp"
     pp, pp_rank = (mesh.pp, mesh.pp_rank) if mesh else (1, 0)
-    writer = mesh is None or (mesh.tp_rank == 0 and mesh.dp_rank == 0)
+    writer = mesh is None or (mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0)
     rank, world = (mesh.rank, mesh.world_group) if mesh else (0, None)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,13 +1,14 @@
 """Hugging Face config.json <-> ModelConfig, per family.
 
 read_model_config parses the config with transformers and keeps what the Decoder models; a switch
-it does not model is refused in one line (rather than other logits). hf_config_dict writes the
-config back from a ModelConfig alone (save_hf without a source directory).
+it does not model is refused in one line (rather than other logits). hf_config(_dict) writes the
+config back from a ModelConfig alone (save_hf without a source directory; the benchmarks' shapes).
 
 Families: llama, qwen2 (q/k/v biases), qwen3 (q/k norms), mistral (Llama with a sliding window
 on every layer), gemma2 (models.features: (1 + w) sandwich norms, GeGLU, soft-caps, query scale,
 alternating sliding / full layers), gemma3_text (Gemma 2's layout without soft-caps by default,
-q/k norms, a RoPE base of its own for sliding layers).
+q/k norms, a RoPE base of its own for sliding layers), qwen3_moe (Qwen3 with routed experts,
+models.moe), mixtral (Mistral with routed experts).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pathlib import Path
 from hybridengine.models.attention import SCALED_ROPE_TYPES
 from hybridengine.models.decoder import ModelConfig
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe",
+             "mixtral")
 GEMMA = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -80,8 +82,8 @@ def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
         tie_word_embeddings=bool(hf.tie_word_embeddings),
         attention_bias=hf.model_type == "qwen2",       # Qwen2's q/k/v biases, always there
         max_position_embeddings=hf.max_position_embeddings, model_type=hf.model_type,
-        qk_norm=hf.model_type in ("qwen3", "gemma3_text"), rope_scaling=scaling,
-        **_window_fields(hf, path),
+        qk_norm=hf.model_type in ("qwen3", "gemma3_text", "qwen3_moe"), rope_scaling=scaling,
+        **_window_fields(hf, path), **_moe_fields(hf),
         attn_softcap=getattr(hf, "attn_logit_softcapping", None) if gemma else None,
         final_softcap=getattr(hf, "final_logit_softcapping", None) if gemma else None,
         query_pre_attn_scalar=hf.query_pre_attn_scalar if gemma else None,
@@ -89,15 +91,31 @@ def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
         rope_local_theta=local_theta)
 
 
+def _moe_fields(hf) -> dict:
+    """ModelConfig's expert fields (models.moe): Qwen3-MoE's names, Mixtral's mapped onto them
+    (every layer sparse, experts intermediate_size wide, top-k weights renormalised)."""
+    if hf.model_type == "qwen3_moe":
+        return dict(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.moe_intermediate_size,
+                    norm_topk_prob=bool(hf.norm_topk_prob),
+                    decoder_sparse_step=hf.decoder_sparse_step,
+                    mlp_only_layers=tuple(hf.mlp_only_layers or ()))
+    if hf.model_type == "mixtral":
+        return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size)
+    return {}
+
+
 def _window_fields(hf, path: Path) -> dict:
     """sliding_window and layer_types: Mistral slides on every layer (when sliding_window is
     set), Gemma on the layers its layer_types name; Qwen's use_sliding_window is refused."""
-    if hf.model_type not in ("mistral", *GEMMA) or getattr(hf, "sliding_window", None) is None:
+    if hf.model_type not in ("mistral", "mixtral", *GEMMA) or \
+            getattr(hf, "sliding_window", None) is None:
         return {}
     window = int(hf.sliding_window)
     if window < 1:
         raise ValueError(f"sliding_window={window} in {path} is not supported (>= 1)")
-    if hf.model_type == "mistral":
+    if hf.model_type in ("mistral", "mixtral"):
         return {"sliding_window": window}
     types = tuple(hf.layer_types)
     if len(types) != hf.num_hidden_layers or set(types) - set(LAYER_TYPES):
@@ -116,6 +134,10 @@ def _check_features(hf, path: Path) -> None:
         raise ValueError(f"mlp_bias=true in {path} is not supported")
     if getattr(hf, "use_sliding_window", False):
         raise ValueError(f"use_sliding_window=true in {path} is not supported")
+    if getattr(hf, "router_jitter_noise", 0.0):
+        # Mixtral's training-time noise on the router input: sampled logits unlike HF's eval
+        raise ValueError(f"router_jitter_noise={hf.router_jitter_noise} in {path} is not "
+                         f"supported (0 only)")
     if getattr(hf, "use_bidirectional_attention", False):
         raise ValueError(f"use_bidirectional_attention=true in {path} is not supported")
     act = hf.hidden_activation if hf.model_type in GEMMA else getattr(hf, "hidden_act", "silu")
@@ -146,13 +168,27 @@ def _rope_config(rope: dict, hf, path: Path,
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
-    """config.json of `cfg` through transformers' config class of its family (what the
-    Decoder models; everything else at the class's defaults)."""
+    """config.json of `cfg` (hf_config)."""
+    return hf_config(cfg).to_dict()
+
+
+def hf_config(cfg: ModelConfig):
+    """transformers' config of `cfg`, its family's class (what the Decoder models; everything
+    else at the class's defaults)."""
     from transformers import AutoConfig
     rope = dict(cfg.rope_scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
     extra = {}
-    if cfg.model_type == "mistral":
+    if cfg.model_type in ("mistral", "mixtral"):
         extra = {"sliding_window": cfg.sliding_window}
+    if cfg.model_type == "mixtral":
+        extra.update(num_local_experts=cfg.num_experts,
+                     num_experts_per_tok=cfg.num_experts_per_tok)
+    elif cfg.model_type == "qwen3_moe":
+        extra = dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                     moe_intermediate_size=cfg.moe_intermediate_size,
+                     norm_topk_prob=cfg.norm_topk_prob,
+                     decoder_sparse_step=cfg.decoder_sparse_step,
+                     mlp_only_layers=list(cfg.mlp_only_layers))
     elif cfg.model_type in GEMMA:
         extra = dict(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types) or None,
                      attn_logit_softcapping=cfg.attn_softcap,
@@ -169,4 +205,4 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=rope, **extra).to_dict()
+        rope_parameters=rope, **extra)

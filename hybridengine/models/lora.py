@@ -61,6 +61,9 @@ def add_lora(model, rank: int, alpha: float, target_modules="all-linear",
     by global layer index, so every layout (tp, pp) holds the same ones."""
     if rank <= 0:
         raise ValueError(f"lora_rank={rank}: a positive rank")
+    if model.cfg.num_experts:
+        raise ValueError(f"lora_rank={rank}: LoRA adapters are not supported for "
+                         f"mixture-of-experts models (model_type={model.cfg.model_type!r})")
     targets = set(resolve_targets(target_modules))
     model.requires_grad_(False)
     for layer in model.layers:
@@ -159,7 +162,7 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, lora: LoRAConfig,
         dist.barrier(group=world)
     tensors = {n: _full(n, p, model.tp_group).to(dtype or p.dtype).contiguous().cpu()
                for n, p in lora_state_dict(model).items()}
-    if mesh is None or (mesh.tp_rank == 0 and mesh.dp_rank == 0):
+    if mesh is None or (mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0):
         save_file(tensors, str(tmp / f"part-{pp_rank}.safetensors"))
     if world is not None:
         dist.barrier(group=world)

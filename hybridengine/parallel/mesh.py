@@ -1,12 +1,13 @@
 """Process groups of the layouts in parallel.layout, built once per run.
 
 `build_meshes(run_layout)` builds every group a run needs, on every rank in the same order (group
-creation is collective): each role's tp/dp/pp/mp groups (roles of one shape share them), the
-tied-embedding groups of a pipeline, and the generation layout's gen-TP and micro-DP groups. The
-launcher builds the bundle and hands it down; the library never builds groups of its own and
-never calls a collective on the default group (STYLE rule 1: groups are objects passed down
-explicitly, nothing here is a module-level global). `Meshes.world` is the group of all ranks that
-the run's own collectives (run-directory checks, checkpoint barriers, gathering rollouts) use.
+creation is collective): each role's tp/cp/dp/dp-cp/pp/mp groups (roles of one shape share
+them), the tied-embedding groups of a pipeline, and the generation layout's gen-TP and micro-DP
+groups. The launcher builds the bundle and hands it down; the library never builds groups of its
+own and never calls a collective on the default group (STYLE rule 1: groups are objects passed
+down explicitly, nothing here is a module-level global). `Meshes.world` is the group of all ranks
+that the run's own collectives (run-directory checks, checkpoint barriers, gathering rollouts)
+use.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ class ParallelMesh:
     rank: int
     tp_group: object = None
     pp_group: object = None
-    dp_group: object = None
+    dp_group: object = None               # different micro-batches: metrics, rollouts
+    cp_group: object = None               # the tokens of the same micro-batches
+    dp_cp_group: object = None            # every replica of this shard: gradients, ZeRO
     mp_group: object = None
     embedding_group: object = None        # first + last stage (pp > 1): a tied embedding's copies
     world_group: object = None            # every rank of the layout: barriers, whole-run gathers
@@ -59,8 +62,16 @@ class ParallelMesh:
         return self.coords[2]
 
     @property
+    def cp_rank(self) -> int:
+        return self.layout.cp_rank(self.rank)
+
+    @property
     def tp(self) -> int:
         return self.layout.tp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
 
     @property
     def pp(self) -> int:
@@ -125,6 +136,9 @@ def build_mesh(layout: Layout, timeout_s: float | None = None) -> ParallelMesh:
     mesh = ParallelMesh(layout, rank, world_group=_whole_world(world))
     mesh.tp_group, mesh.tp_ranks = _my_group(layout.tp_groups(), rank, timeout)
     mesh.dp_group, mesh.dp_ranks = _my_group(layout.dp_groups(), rank, timeout)
+    mesh.cp_group, _ = _my_group(layout.cp_groups(), rank, timeout)
+    mesh.dp_cp_group = mesh.dp_group if layout.cp == 1 else \
+        _my_group(layout.dp_cp_groups(), rank, timeout)[0]
     mesh.pp_group, mesh.pp_ranks = _my_group(layout.pp_groups(), rank, timeout)
     mesh.mp_group, _ = _my_group(layout.mp_groups(), rank, timeout)
     mesh.embedding_group, _ = _my_group(layout.embedding_groups(), rank, timeout)
@@ -274,14 +288,15 @@ class Meshes:
 
 def build_meshes(layout: RunLayout, timeout_s: float | None = None) -> Meshes:
     """Build the groups of every role's layout and of the generation layout (collective: every
-    rank calls it, with the same layout). Roles of one (tp, pp, dp) shape share their groups."""
-    by_shape: dict[tuple[int, int, int], ParallelMesh] = {}
+    rank calls it, with the same layout). Roles of one (tp, pp, dp, cp) shape share their
+    groups."""
+    by_shape: dict[tuple[int, int, int, int], ParallelMesh] = {}
     roles = {}
     for name, lay in layout.roles().items():
         if lay.shape not in by_shape:
             by_shape[lay.shape] = build_mesh(lay, timeout_s)
         shared = by_shape[lay.shape]
         roles[name] = shared if shared.layout == lay else \
-            dataclasses.replace(shared, layout=lay)       # same groups, its own sp switch
+            dataclasses.replace(shared, layout=lay)   # same groups, its own sp / CP attention
     gen = build_gen_mesh(layout.rollout, timeout_s)
     return Meshes(layout, roles["actor"], gen, roles.get("ref"), roles.get("critic"))

@@ -162,6 +162,31 @@ class _GatherFromSPCopy(torch.autograd.Function):
         return split_dim0(g, ctx.group), None
 
 
+class _RingShift(torch.autograd.Function):
+    """x of rank r goes to rank r+1 (mod size); returns the x of rank r-1. The backward is the
+    opposite shift: a gradient goes back to the rank its input came from."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _ring_exchange(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ring_exchange(g, ctx.group, -1), None
+
+
+def _ring_exchange(x: torch.Tensor, group, shift: int) -> torch.Tensor:
+    size, rank = group_size(group), group_rank(group)
+    x, out = x.contiguous(), torch.empty_like(x)
+    # both posted before either waits: every rank sends and receives at once
+    works = [dist.isend(x, dist.get_global_rank(group, (rank + shift) % size), group=group),
+             dist.irecv(out, dist.get_global_rank(group, (rank - shift) % size), group=group)]
+    for w in works:
+        w.wait()
+    return out
+
+
 def _wrap(fn):
     def apply(x: torch.Tensor, group) -> torch.Tensor:
         return x if group_size(group) == 1 else fn.apply(x, group)
@@ -174,6 +199,7 @@ reduce_from_tp = _wrap(_ReduceFromTP)
 gather_from_sp = _wrap(_GatherFromSP)
 reduce_scatter_to_sp = _wrap(_ReduceScatterToSP)
 gather_from_sp_copy = _wrap(_GatherFromSPCopy)
+ring_shift = _wrap(_RingShift)
 
 
 # --- layers --------------------------------------------------------------------------------------

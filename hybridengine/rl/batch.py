@@ -71,18 +71,23 @@ def build_microbatch(batch: Batch, idx: list[int], tp: int, fields: tuple[str, .
     """Pack sequences `idx` of the batch into one MicroBatch (SP-padded to a multiple of tp)."""
     seqs, resp_idx, offset = [], torch.zeros(len(idx), batch.max_response_length,
                                              dtype=torch.long), 0
-    targets = []
+    targets, rows = [], []
     for row, i in enumerate(idx):
         p, r = batch.prompt_ids[i], batch.response_ids[i]
         s = torch.tensor(p + r, dtype=torch.long)
         seqs.append(s)
         targets.append(torch.roll(s, -1))
         resp_idx[row, :len(r)] = offset + len(p) - 1 + torch.arange(len(r))
+        rows.append(resp_idx[row, :len(r)])
         offset += len(s)
     packed = PackedInput.from_lengths(torch.cat(seqs), [len(s) for s in seqs], multiple_of=tp)
     t = torch.tensor(idx, dtype=torch.long)
+    # the positions whose next token is a response token: the only log-probs RL reads
     tensors = {"targets": torch.cat(targets), "resp_idx": resp_idx,
-               "resp_mask": batch.response_mask[t]}
+               "resp_mask": batch.response_mask[t],
+               # (one row at least: the loss keeps its path to the weights)
+               "logprob_rows": torch.cat(rows) if offset and sum(map(len, rows)) else
+               torch.zeros(1, dtype=torch.long)}
     tensors.update({f: batch.tensors[f][t] for f in fields})
     return MicroBatch(packed, tensors)
 

@@ -144,7 +144,8 @@ def _model(path: str, engine) -> str:
 
 def _layout(role) -> str:
     sp = "+sp" if role.sequence_parallel else ""       # sequence parallelism inside the TP group
-    return f"tp={role.tp}{sp} pp={role.pp} dp={role.dp}"
+    cp = f" cp={role.cp} ({role.cp_attention})" if role.cp > 1 else ""
+    return f"tp={role.tp}{sp} pp={role.pp} dp={role.dp}{cp}"
 
 
 @dataclass(frozen=True)

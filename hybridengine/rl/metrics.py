@@ -64,16 +64,23 @@ def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
 
 
 def step_flops(model_cfg, seqlens: list[int], cfg, has_ref: bool,
-               has_critic: bool) -> dict[str, float]:
+               has_critic: bool, head_tokens: int | None = None) -> dict[str, float]:
     """Model FLOPs of the step's training-engine phases, keyed by their timing_s/ names:
     old/ref log-prob and value forwards, actor/critic updates (fwd+bwd per epoch; LoRA: no
     weight gradients of the base). Generation is
     not counted (perf/gen_tokens_per_s measures it), so perf/mfu is the training phases'
     utilisation over the whole step time."""
     c = model_cfg
-    args = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-            c.head_dim)
-    lm_fwd = float(decoder_flops(*args, c.vocab_size, seqlens))
+    # MoE: a token runs top_k experts (the router's [H, E] product is a rounding error beside
+    # them); the dense layers a sparse model keeps are counted as sparse ones
+    width = c.num_experts_per_tok * c.moe_intermediate_size if c.num_experts else \
+        c.intermediate_size
+    args = (c.num_layers, c.hidden_size, width, c.num_heads, c.num_kv_heads, c.head_dim)
+    # the LM head runs on head_tokens positions (the responses': rl.batch.build_microbatch),
+    # None: on every token
+    skipped = 0 if head_tokens is None else sum(seqlens) - head_tokens
+    lm_fwd = float(decoder_flops(*args, c.vocab_size, seqlens)) - \
+        2.0 * c.hidden_size * c.vocab_size * skipped
     # a LoRA actor's backward computes no gradient of the frozen weights: fwd + input grads
     # (the adapters' own products are a rounding error beside the base's)
     passes = 2 if cfg.actor_rollout_ref.model.lora_rank > 0 else 3

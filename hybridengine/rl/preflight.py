@@ -66,12 +66,30 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
             Path(adapter) / "adapter_config.json").is_file():
         errors.append(f"actor_rollout_ref.model.lora_adapter_path={adapter}: not a PEFT adapter "
                       f"directory (no adapter_config.json)")
+    if layout is not None:
+        errors += _context_parallel_errors(layout, models)
     if not errors:                  # the memory plan needs a sound config and the model shapes
         actor = models["actor_rollout_ref.model.path"]
         critic, device = models.get("critic.model.path", actor), run_device(cfg)
         resolve_auto_offload(cfg, layout, actor, critic, device)
         errors += memory_errors(cfg, layout, actor, critic, device)
     return layout, errors
+
+
+def _context_parallel_errors(layout: RunLayout, models: dict) -> list[str]:
+    """Ulysses context parallelism against each role's model heads (models.decoder.check_cp)."""
+    errors = []
+    actor = models.get("actor_rollout_ref.model.path")
+    for role, lay in layout.roles().items():
+        model = models.get("critic.model.path", actor) if role == "critic" else actor
+        section = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref",
+                   "critic": "critic"}[role]
+        try:
+            if model is not None:
+                model.check_cp(lay.tp, lay.cp, lay.cp_attention)
+        except ValueError as e:
+            errors.append(f"{section}.{e}")
+    return list(dict.fromkeys(errors))
 
 
 # trainer.device: run_device's

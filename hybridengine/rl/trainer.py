@@ -124,7 +124,8 @@ class Trainer:
             temperature=temperature,
             recompute=bool(arr.model.enable_gradient_checkpointing),
             optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps),
-            lora=lora)
+            lora=lora,
+            router_losses=(arr.actor.router_aux_loss_coef, arr.actor.router_z_loss_coef))
         self.actor = Actor(actor_engine, arr)
         self.ref = None
         if uses_reference(cfg) and lora is not None:    # the base: the actor's adapters off
@@ -281,7 +282,7 @@ class Trainer:
 
     def _perf(self, batch: Batch, timings: dict) -> dict:
         flops = step_flops(self.actor.engine.cfg, batch.seqlens, self.cfg, self.ref is not None,
-                           self.critic is not None)
+                           self.critic is not None, sum(map(len, batch.response_ids)))
         flops = {p: f for p, f in flops.items() if p in timings}     # the phases that ran
         return perf_metrics(batch, timings, flops, self.world, self.peak, self.device)
 

@@ -72,6 +72,9 @@ class ModelRunner:
         self._prefill_body = compile_prefill_step(self._prefill_hidden, config.compile_prefill,
                                                   self.device, kernels.pdl)
         self._prefill_forms_compiled = False
+        for layer in model.layers:      # MoE: no host sync inside captured or compiled steps
+            if hasattr(layer.mlp, "sync_free"):
+                layer.mlp.sync_free = self.use_graphs or self.compiled
         c = model.cfg
         heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
         self.backend = resolve_backend(config.attn_backend, self.device, self.dtype, heads,

@@ -10,8 +10,9 @@ about RL: a caller hands it packed micro-batches and a loss function.
 
 A MicroBatch is a PackedInput plus per-token tensors of its real (unpadded) tokens, e.g.
 `targets` (the next token of each position, any value at a sequence's last position), masks,
-advantages. Every rank of a model replica (all TP and PP ranks of one DP rank) is given the same
-micro-batches; DP ranks get different ones, the same number each.
+advantages. Every rank of a model replica (all TP and PP ranks of one DP rank) and every CP rank
+is given the same micro-batches; DP ranks get different ones, the same number each. CP ranks
+each run a share of the tokens (train.context_split) and see the whole micro-batch's outputs.
 
 Outputs per token on the last stage: {"logprob", "entropy"} of `targets` (at a temperature) for a
 language model, {"values"} for a critic. loss_fn(outputs, mb) -> (loss, metrics) returns the
@@ -30,6 +31,7 @@ from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
 from hybridengine.models.lora import (LoRAConfig, add_lora, is_lora_replicated,
                                       load_peft_adapter, save_peft_adapter)
+from hybridengine.train.context_split import CPView, split_for_cp
 from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
@@ -79,7 +81,8 @@ class TrainEngine:
                  value_head: bool = False, dtype=torch.float32, device="cpu",
                  optim: OptimConfig | None = None, temperature: float = 1.0,
                  compile_layers: bool = False, recompute: bool = False,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None,
+                 router_losses: tuple[float, float] = (0.0, 0.0)):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
@@ -89,6 +92,7 @@ class TrainEngine:
             self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
                                       value_head=value_head, dtype=dtype, device=self.device)
         self.cfg = self.model.cfg
+        self.cfg.check_cp(mesh.tp, mesh.cp, mesh.layout.cp_attention)
         self.lora = lora
         if lora is not None:        # the base frozen: the optimizer holds the adapters only
             add_lora(self.model, lora.rank, lora.alpha, lora.target_modules)
@@ -97,6 +101,11 @@ class TrainEngine:
             if self.model.value_head is not None:   # a critic's head trains (PEFT's
                 self.model.value_head.requires_grad_(True)     # modules_to_save)
         self.model.recompute_layers = recompute     # activation recomputation in train_step
+        # MoE layers' load-balancing and z-loss coefficients (models.moe)
+        self.moe_layers = [layer.mlp for layer in self.model.layers
+                           if hasattr(layer.mlp, "aux_loss_coef")]
+        for moe in self.moe_layers:
+            moe.aux_loss_coef, moe.z_loss_coef = router_losses
         if compile_layers and self.device.type == "cuda":
             compile_decoder_layers(self.model)
         self.comm = StageComm(mesh, dtype, self.device) if mesh.pp > 1 else None
@@ -123,8 +132,9 @@ class TrainEngine:
             return self.mesh.tp_rank == 0 or not replicated
         schedule = LRSchedule(o.lr, total_steps=o.total_steps, warmup_steps=o.warmup_steps,
                               warmup_style=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        # CP ranks hold replicas of the weights, their gradients partial sums: reduced with DP's
         return DistributedOptimizer(
-            list(self.model.named_parameters()), self.mesh.dp_group, self.mesh.mp_group,
+            list(self.model.named_parameters()), self.mesh.dp_cp_group, self.mesh.mp_group,
             self.mesh.tp_group, lr=schedule, betas=o.betas, eps=o.eps,
             weight_decay=o.weight_decay, grad_clip=o.grad_clip,
             use_distributed_optimizer=o.use_distributed_optimizer, bucket_mb=o.bucket_mb,
@@ -166,24 +176,41 @@ class TrainEngine:
                                f" unpark() them before this phase")
 
     # --- one stage's forward ------------------------------------------------------------------
-    def _activation_shape(self, mbs):
+    def _cp_views(self, mbs: list[MicroBatch]) -> list[CPView | None]:
+        """Each micro-batch's share of this CP rank (None without context parallelism)."""
+        if self.mesh.cp == 1:
+            return [None] * len(mbs)
+        tp = self.mesh.tp if self.model.sp else 1
+        return [split_for_cp(mb.packed, self.mesh, tp) for mb in mbs]
+
+    def _activation_shape(self, mbs, views):
         tp = self.mesh.tp if self.model.sp else 1
 
         def shape(i):
-            return torch.Size((mbs[i].packed.num_tokens // tp, self.cfg.hidden_size))
+            packed = mbs[i].packed if views[i] is None else views[i].packed
+            return torch.Size((packed.num_tokens // tp, self.cfg.hidden_size))
         return shape
 
-    def _stage_outputs(self, mb: MicroBatch, hidden_in):
-        """Run this stage; on the last stage return the per-token outputs of the real tokens."""
-        hidden = self.model(mb.packed, hidden_in)
+    def _stage_outputs(self, mb: MicroBatch, hidden_in, view: CPView | None = None):
+        """Run this stage; on the last stage return the per-token outputs of the real tokens
+        (under CP: of the whole micro-batch, gathered over the CP group)."""
+        if view is not None:
+            hidden = self.model(view.packed, hidden_in, attn_ctx=view.attention)
+            finish = view.gather
+        else:
+            hidden = self.model(mb.packed, hidden_in)
+            finish = mb.packed.strip
         if not self.mesh.is_last_stage:
             return hidden
-        strip = mb.packed.strip
         if self.model.value_head is not None:
-            return {"values": strip(self.model.values(hidden))}
-        targets = torch.nn.functional.pad(mb.tensors["targets"], (0, mb.packed.num_pad))
-        logp, ent = self.model.logprob_entropy(hidden, targets, self.temperature)
-        return {"logprob": strip(logp), "entropy": strip(ent)}
+            return {"values": finish(self.model.values(hidden))}
+        targets = view.take(mb.tensors["targets"]) if view is not None else \
+            torch.nn.functional.pad(mb.tensors["targets"], (0, mb.packed.num_pad))
+        # a micro-batch may name the positions it reads ("logprob_rows": RL's responses); the
+        # head runs on those only (under CP every local position: the split permutes them)
+        rows = mb.tensors.get("logprob_rows") if view is None else None
+        logp, ent = self.model.logprob_entropy(hidden, targets, self.temperature, rows)
+        return {"logprob": finish(logp), "entropy": finish(ent)}
 
     # --- public -------------------------------------------------------------------------------
     def train_step(self, microbatches: list[MicroBatch], loss_fn) -> dict:
@@ -195,9 +222,13 @@ class TrainEngine:
         opt.zero_grad()
         metrics: list[dict] = []
         self.model.train()
+        views = self._cp_views(microbatches)
+        for moe in self.moe_layers:         # the router losses: a mean over micro-batches and
+            moe.loss_scale.fill_(1.0 / (len(microbatches) * self.mesh.dp * self.mesh.cp))
+            moe.loss_sums.zero_()           # replicas, as the gradients are summed over both
 
         def forward_step(i, x):
-            out = self._stage_outputs(microbatches[i], x)
+            out = self._stage_outputs(microbatches[i], x, views[i])
             if not self.mesh.is_last_stage:
                 return out
             loss, m = loss_fn(out, microbatches[i])
@@ -206,15 +237,28 @@ class TrainEngine:
             metrics.append({k: v.detach() if isinstance(v, torch.Tensor) else v
                             for k, v in m.items()})
             return loss
-        train_1f1b(forward_step, len(microbatches), self._activation_shape(microbatches),
+        train_1f1b(forward_step, len(microbatches), self._activation_shape(microbatches, views),
                    self.comm)
         self._sync_tied_embedding_grads()
         opt.finish_grad_sync()
         lr = opt.current_lr
         grad_norm, stepped = opt.step()     # the LR schedule advances per trainer step (caller)
         out = self._share_metrics(metrics)
-        out.update(grad_norm=grad_norm, lr=lr, stepped=float(stepped))
+        out.update(grad_norm=grad_norm, lr=lr, stepped=float(stepped), **self._router_metrics())
         return out
+
+    def _router_metrics(self) -> dict:
+        """moe/load_balancing_loss and moe/z_loss: means over the step's MoE layers, micro-batches
+        and replicas (every rank of TP computes the same); none without router losses."""
+        if not any(m.aux_loss_coef or m.z_loss_coef for m in self.moe_layers):
+            return {}
+        sums = torch.stack([m.loss_sums for m in self.moe_layers]).sum(0).to(torch.float64)
+        for group, size in ((self.mesh.pp_group, self.mesh.pp), (self.mesh.dp_cp_group,
+                                                                 self.mesh.dp * self.mesh.cp)):
+            if size > 1:
+                dist.all_reduce(sums, group=group)
+        balance, z, n = sums.tolist()
+        return {"moe/load_balancing_loss": balance / n, "moe/z_loss": z / n}
 
     def _sync_tied_embedding_grads(self):
         if self.embedding_group is None:
@@ -224,7 +268,8 @@ class TrainEngine:
         dist.all_reduce(p.main_grad, group=self.embedding_group)
 
     def _share_metrics(self, metrics: list[dict]) -> dict:
-        """Mean over micro-batches and DP ranks of the last stage's metrics, on every rank."""
+        """Mean over micro-batches and DP ranks of the last stage's metrics, on every rank (CP
+        ranks computed the same ones)."""
         keys = sorted(metrics[0]) if metrics else []
         if self.mesh.pp > 1:
             obj = [keys]
@@ -244,8 +289,10 @@ class TrainEngine:
         """Per-token outputs of every micro-batch, on every rank of the replica."""
         self.require("params")
         self.model.eval()
-        outs = forward_only(lambda i, x: self._stage_outputs(microbatches[i], x),
-                            len(microbatches), self._activation_shape(microbatches), self.comm)
+        views = self._cp_views(microbatches)
+        outs = forward_only(lambda i, x: self._stage_outputs(microbatches[i], x, views[i]),
+                            len(microbatches), self._activation_shape(microbatches, views),
+                            self.comm)
         keys = ["values"] if self.model.value_head is not None else ["logprob", "entropy"]
         sizes = [mb.num_tokens for mb in microbatches]
         result = [dict() for _ in microbatches]

@@ -29,6 +29,9 @@ else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_
       the gathered [T, H] hidden; training adds fp32 grad_x [T, H] and the head's [V/t, H] grad
   rollout: prefill T·max(2H + 4I, 2H + 2(q + 2kv) + q)·b at t_g (T = max_prefill_tokens),
       sampling max_num_seqs x V logits (b + 3 fp32 copies), the slot state
+  context parallelism (c = cp): a rank runs T/c of a micro-batch's tokens (the padding of each
+      sequence to a multiple of 2c not counted); all-gather attention also keeps every rank's
+      K/V, 2·kv·(T − T/c) more per layer; ZeRO-1 shards over the dp·c replicas
 Not counted: per-parameter grads (one at a time), CUDA context, NCCL, fragmentation.
 
 Residency: a part (params, grads, optimizer = master + Adam) a role offloads is on the device
@@ -174,7 +177,15 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
             if cfg.qk_norm else []
         out += [(n + "post_attention_layernorm.weight", (h,))]
         out += [(n + "pre_feedforward_layernorm.weight", (h,))] if cfg.gemma else []
-        out += [(n + "mlp.gate_up_proj.weight", (2 * i, h)), (n + "mlp.down_proj.weight", (h, i))]
+        if cfg.is_moe_layer(layer):         # models.moe: the router whole, experts split
+            e = cfg.moe_intermediate_size // tp
+            out += [(n + "mlp.gate.weight", (cfg.num_experts, h))]
+            out += [item for x in range(cfg.num_experts)
+                    for item in ((f"{n}mlp.experts.{x}.gate_up_proj.weight", (2 * e, h)),
+                                 (f"{n}mlp.experts.{x}.down_proj.weight", (h, e)))]
+        else:
+            out += [(n + "mlp.gate_up_proj.weight", (2 * i, h)),
+                    (n + "mlp.down_proj.weight", (h, i))]
         out += [(n + "post_feedforward_layernorm.weight", (h,))] if cfg.gemma else []
     if last:
         out.append(("norm.weight", (h,)))
@@ -238,14 +249,17 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             trained = trained + [cfg.hidden_size]        # the value head trains beside them
     grads = master = 0
     if spec.trained:
-        shards = lay.dp if spec.use_distributed_optimizer else 1
+        shards = lay.num_replicas if spec.use_distributed_optimizer else 1
         buckets = grad_buckets(trained, spec.bucket_mb, shards)
         g = torch.promote_types(spec.dtype, torch.float32).itemsize
         grads, master = sum(buckets) * g, sum(buckets) // shards * g
     s = lay.tp if lay.sequence_parallel else 1
     a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel)
     layers = len(range(*stage_layers(cfg.num_layers, lay.pp, pp_rank)))
-    T, Tf = spec.train_tokens, spec.forward_tokens or spec.train_tokens
+    T, Tf = (-(-t // lay.cp) for t in (spec.train_tokens, spec.forward_tokens or
+                                        spec.train_tokens))
+    if lay.cp > 1 and lay.cp_attention == "allgather":
+        a += 2 * cfg.num_kv_heads // lay.tp * cfg.head_dim * (lay.cp - 1)
     act = (lay.pp - pp_rank) * layers * T * (h / s if spec.recompute else a) * b \
         + (T * a * b if spec.recompute else 0)
     logits = fwd_logits = 0

@@ -1,0 +1,166 @@
+"""Mixture-of-experts MLP: Hugging Face's Qwen3-MoE and Mixtral sparse blocks, tensor parallel
+inside every expert.
+
+Routing (both families): router logits = x·Wᵣᵀ, probabilities = softmax in fp32, the top-k of
+them per token, renormalised to sum 1 (Mixtral always; Qwen3-MoE with norm_topk_prob). Qwen3-MoE
+casts the weights back to the activations' dtype before they scale the expert outputs; Mixtral
+scales in fp32 and rounds the product. Each routed expert is a SwiGLU MLP; a token's output is
+the weighted sum of its k experts' outputs. No token is dropped (no capacity limit).
+
+Parameters follow the dense MLP's layout (models.decoder.MLP) per expert: experts.{e}.gate_up_proj
+[2·I/tp, H] (rank shard [gate_r; up_r]) and experts.{e}.down_proj [H, I/tp], so loading, saving,
+resharding and the optimizer treat them as they treat dense weights. The router weight [E, H] is
+whole on every TP rank. Experts run one after another over the tokens routed to them (Megatron's
+SequentialMLP); a grouped GEMM over stacked experts is the faster form where it exists.
+
+Tensor parallelism: the input is gathered from the sequence shards (or copied to the TP region),
+every rank routes all tokens the same way and computes its slice of every expert's hidden units;
+the partial outputs are summed over TP (reduce-scattered back to sequence shards under SP). A
+rank's router gradient comes from its own slices only, so it is summed over TP as the q/k-norm
+weights' are (`sequence_parallel` marks it for that sum).
+
+Router losses (training, off by default as in Megatron): the load-balancing loss and the z-loss
+per layer, their gradients started from the layer output (no path to the trainer's loss), their
+values summed for the step's metrics (actor/moe/*).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridengine.models.features import activation
+from hybridengine.parallel.tensor import copy_to_tp, divide, gather_from_sp, group_size, \
+    reduce_from_tp, reduce_scatter_to_sp
+
+
+class Expert(nn.Module):
+    """One routed expert's TP shard: SwiGLU with I/tp hidden units."""
+
+    def __init__(self, hidden: int, ffn_per_rank: int, dtype, device):
+        super().__init__()
+        self.ffn_per_rank = ffn_per_rank
+        self.gate_up_proj = nn.Linear(hidden, 2 * ffn_per_rank, bias=False, dtype=dtype,
+                                      device=device)
+        self.down_proj = nn.Linear(ffn_per_rank, hidden, bias=False, dtype=dtype, device=device)
+        nn.init.normal_(self.gate_up_proj.weight, std=0.02)
+        nn.init.normal_(self.down_proj.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.ffn_per_rank, dim=-1)
+        return self.down_proj(act(gate) * up)
+
+
+class MoEMLP(nn.Module):
+    def __init__(self, cfg, group, sp: bool, dtype, device):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sp
+        tp = group_size(group)
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weights_in_fp32 = cfg.model_type == "mixtral"
+        ffn = divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype,
+                              device=device)
+        nn.init.normal_(self.gate.weight, std=0.02)
+        self.gate.weight.sequence_parallel = tp > 1
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, ffn, dtype, device)
+                                     for _ in range(cfg.num_experts))
+        self.act = activation(cfg.hidden_act)
+        self.tp = tp
+        # router losses (training only; 0: off), set by the training engine from the run's
+        # config; loss_scale: 1 / the micro-batches x replicas a step's gradients sum over.
+        # The sums: each training forward's detached losses, for the step's metrics.
+        self.aux_loss_coef = self.z_loss_coef = 0.0
+        self.register_buffer("loss_scale", torch.ones((), dtype=torch.float32, device=device),
+                             persistent=False)
+        self.register_buffer("loss_sums", torch.zeros(3, dtype=torch.float64, device=device),
+                             persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router logits [T, E], top-k weights [T, k], top-k expert ids [T, k])."""
+        logits = self.gate(x)
+        # fp32 as HF does for 16/32-bit activations; float64 kept (tests compare gradients)
+        probs = torch.softmax(logits, dim=-1,
+                              dtype=torch.promote_types(logits.dtype, torch.float32))
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, (weights if self.weights_in_fp32 else weights.to(x.dtype)), experts
+
+    # The rollout sets it where its decode step runs in CUDA graphs or compiled: the sparse
+    # path asks the host for the tokens per expert, which a captured graph cannot do
+    sync_free = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        logits, weights, experts = self.route(x)
+        out = self._every_expert(x, weights, experts) if self.sync_free else \
+            self._routed(x, weights, experts)
+        if (self.aux_loss_coef or self.z_loss_coef) and self.training and \
+                torch.is_grad_enabled():
+            out = _AddLossGradient.apply(out, self._router_loss(logits, experts))
+        return reduce_scatter_to_sp(out, self.group) if self.sequence_parallel \
+            else reduce_from_tp(out, self.group)
+
+    def _router_loss(self, logits, experts) -> torch.Tensor:
+        """coef-weighted load-balancing loss (Switch Transformer, as HF's Qwen3-MoE / Mixtral
+        for one layer: E·Σₑ fₑ·Pₑ, fₑ the tokens routed to e per token over the k slots, Pₑ
+        the mean router probability) plus z-loss (ST-MoE: mean logsumexp(logits)²), scaled for
+        the gradient sums: every TP rank computes the same on the same tokens, and the router's
+        and the input's gradients are summed over TP."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        probs = torch.softmax(logits, dim=-1)
+        counts = torch.zeros(self.num_experts, dtype=probs.dtype, device=probs.device)
+        counts.scatter_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1),
+                                                                    dtype=probs.dtype))
+        tokens = logits.shape[0]
+        balance = self.num_experts * (counts / tokens * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        with torch.no_grad():
+            self.loss_sums += torch.stack([balance, z, torch.ones_like(z)]).detach()
+        loss = self.aux_loss_coef * balance + self.z_loss_coef * z
+        return loss * self.loss_scale / self.tp
+
+    def _every_expert(self, x, weights, experts) -> torch.Tensor:
+        """Every expert over every token, scaled by the token's routing weight (0 where not
+        routed): no host synchronisation, num_experts / top_k times the expert FLOPs (decode
+        batches). The same sum, in the same expert order, as _routed."""
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, experts, weights)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + (expert(x, self.act) * dense[:, e:e + 1]).to(x.dtype)
+        return out
+
+    def _routed(self, x, weights, experts) -> torch.Tensor:
+        """Each expert over the tokens routed to it (Megatron's SequentialMLP)."""
+        # the (token, slot) pairs sorted by expert: each expert reads one contiguous block
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        routed = x[tokens]
+        outs, start = [], 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                outs.append(expert(routed[start:start + n], self.act))
+            start += n
+        y = torch.cat(outs) if outs else routed[:0]
+        scale = weights.reshape(-1)[order].unsqueeze(-1)
+        y = (y * scale).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """Identity on the layer output; its backward also starts the gradient of a side loss
+    (Megatron's MoEAuxLossAutoScaler): the router losses need no path to the trainer's loss."""
+
+    @staticmethod
+    def forward(ctx, out, loss):
+        ctx.save_for_backward(loss)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)

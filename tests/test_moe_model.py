@@ -1,0 +1,148 @@
+"""Mixture-of-experts families against Hugging Face (models.moe): tiny Qwen3-MoE (one dense layer
+among sparse ones, as mlp_only_layers allows) and Mixtral. Config fields, parameter lists of the
+memory plan and the vLLM weight stream, packed logits (fp32), save_hf -> transformers, the rollout
+engine's greedy tokens against generate; at tp 2 (SP off and on) logits and float64 gradients."""
+import pytest
+import torch
+
+from dist_utils import run_dist
+from hybridengine.models.decoder import Decoder
+from hybridengine.models.hf import SafetensorsDir, load_decoder, read_model_config, save_hf
+from hybridengine.parallel.layout import Layout
+from hybridengine.parallel.mesh import build_mesh
+from model_utils import rel_err
+from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.rollout_config import RolloutConfig
+from hybridengine.rollout.sampling import SamplingParams
+from test_model_families import MAX_NEW, VOCAB, _engine_greedy, _hf_greedy, _hf_logits, \
+    _loss_and_grads, _packed_logits, _prompts
+
+CASES = ["qwen3_moe", "mixtral"]
+
+
+def moe_hf_model(name: str, seed: int = 0):
+    """4 experts, top 2, 3 layers (Qwen3-MoE: layer 1 dense); weights spread so that every
+    expert is routed to and a wrong mapping shows."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, \
+        Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, num_experts_per_tok=2,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if name == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            intermediate_size=40, moe_intermediate_size=24, num_experts=4, norm_topk_prob=False,
+            mlp_only_layers=[1], tie_word_embeddings=True, **common))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=24, num_local_experts=4,
+                                                 tie_word_embeddings=False, **common))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for name in CASES:
+        moe_hf_model(name).save_pretrained(str(root / name))
+        out[name] = str(root / name)
+    return out
+
+
+def test_config_and_parameter_lists(dirs):
+    from hybridengine.hybrid.hf_stream import hf_weight_stream
+    from hybridengine.train.memory_plan import stage_params
+    for name in CASES:
+        cfg = read_model_config(dirs[name])
+        hf = moe_hf_model(name)
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 24)
+        assert [cfg.is_moe_layer(i) for i in range(3)] == \
+            ([True, False, True] if name == "qwen3_moe" else [True] * 3)
+        assert cfg.norm_topk_prob == (name == "mixtral")
+        assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+        decoder = Decoder(cfg, device="meta")
+        assert [(n, tuple(p.shape)) for n, p in decoder.named_parameters()] == \
+            stage_params(cfg, 1)
+        model = load_decoder(dirs[name])
+        names = {n for n, _ in hf_weight_stream(model, None, 1.0)}
+        # the checkpoint's per-expert names (what vLLM loads), not HF 5's stacked modules
+        assert names == set(SafetensorsDir(dirs[name]).where)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logits_match_hf_packed(dirs, name):
+    model = load_decoder(dirs[name])
+    assert rel_err(_packed_logits(model), _hf_logits(moe_hf_model(name))) < 1e-5
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_save_hf_loads_in_transformers(dirs, tmp_path, name):
+    """From the ModelConfig alone (no source config): the expert fields must survive."""
+    from transformers import AutoModelForCausalLM
+    model = load_decoder(dirs[name])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.25)
+    save_hf(model, tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert hf.config.model_type == name
+    assert rel_err(_packed_logits(model), _hf_logits(hf)) < 1e-5
+    assert read_model_config(tmp_path / "out") == model.cfg
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rollout_greedy_matches_hf_generate(dirs, name):
+    want = _hf_greedy(moe_hf_model(name))
+    assert _engine_greedy(load_decoder(dirs[name])) == want
+    # the form a CUDA-graph or compiled decode step runs (every expert, no host sync), with the
+    # graph-shaped decode batches, here on the CPU
+    engine = Engine(load_decoder(dirs[name]), RolloutConfig(max_num_seqs=8, max_model_len=64,
+                                                            max_prefill_tokens=128))
+    engine.runner.static_shapes = True
+    layers = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "sync_free")]
+    assert layers and not any(m.sync_free for m in layers)      # eager on the CPU
+    for m in layers:
+        m.sync_free = True
+    got = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert [r.token_ids for r in got] == want
+
+
+def _with_router_losses(model):
+    """The load-balancing and z-losses on (models.moe): their gradients join the backward."""
+    for layer in model.layers:
+        if hasattr(layer.mlp, "aux_loss_coef"):
+            layer.mlp.aux_loss_coef, layer.mlp.z_loss_coef = 0.3, 0.05
+    return model
+
+
+def _tp2_worker(rank, world, dirs, refs):
+    mesh = build_mesh(Layout(2, 1, 1))
+    for name, (logits, grads) in refs.items():
+        for sp in (False, True):
+            model = load_decoder(dirs[name], mesh, sequence_parallel=sp)
+            assert rel_err(_packed_logits(model, 2), logits) < 1e-5, (name, sp)
+            model = _with_router_losses(load_decoder(dirs[name], mesh, sequence_parallel=sp,
+                                                     dtype=torch.float64))
+            loss, got = _loss_and_grads(model, 2)
+            assert torch.allclose(loss, grads[0], rtol=1e-10), (name, sp)
+            assert got.keys() == grads[1].keys()
+            for k, ref in grads[1].items():
+                assert rel_err(got[k], ref) < 1e-8, (name, sp, k, rel_err(got[k], ref))
+
+
+@pytest.mark.multiproc
+def test_tp2_logits_and_grads_equal_tp1(dirs):
+    """Experts split over TP inside (gate/up columns, down rows), the router whole: its
+    gradient summed over TP as the q/k norms' are; with the router losses on (each TP rank
+    computes them on the same tokens)."""
+    refs = {name: (_packed_logits(load_decoder(dirs[name])), _loss_and_grads(
+        _with_router_losses(load_decoder(dirs[name], dtype=torch.float64)), 1))
+            for name in CASES}
+    run_dist(_tp2_worker, 2, dirs, refs)
