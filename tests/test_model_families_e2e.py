@@ -47,30 +47,36 @@ def vowel_share(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def _family_dir(tmp_path, family: str) -> str:
-    make, case = FAMILIES[family]
-    path = str(tmp_path / family)
-    make(case, vocab=512).save_pretrained(path)
+def with_stories_tokenizer(hf_model, path) -> str:
+    """Save a tiny HF model (512-token vocabulary) with stories260K's tokenizer files."""
+    hf_model.save_pretrained(str(path))
     for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
               "generation_config.json"):
-        shutil.copy(os.path.join(STORIES, f), path)
-    return path
+        shutil.copy(os.path.join(STORIES, f), str(path))
+    return str(path)
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_grpo_two_steps_tp2_to_rollout_tp1(tmp_path, family):
-    model_dir = _family_dir(tmp_path, family)
+def grpo_two_steps(tmp_path, model_dir: str, *overrides) -> list[dict]:
+    """The 2-step run on the default job's config (actor tp 2 + SP, rollout tp 1) with the
+    vowel-share reward; its metrics rows of the actor updates."""
     out, reward = tmp_path / "run", tmp_path / "reward.py"
     reward.write_text(VOWEL_SHARE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
            str(free_port()), str(ROOT / "launch" / "ppo.py"), "--config",
            str(ROOT / "configs" / "tiny.yaml"), f"actor_rollout_ref.model.path={model_dir}",
            f"trainer.default_local_dir={out}", f"custom_reward_function.path={reward}",
-           "custom_reward_function.name=vowel_share", *SHORT]
+           "custom_reward_function.name=vowel_share", *SHORT, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "actor/pg_loss" in r]
+    return [r for r in read_metrics(out / "metrics.jsonl") if "actor/pg_loss" in r]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_grpo_two_steps_tp2_to_rollout_tp1(tmp_path, family):
+    make, case = FAMILIES[family]
+    model_dir = with_stories_tokenizer(make(case, vocab=512), tmp_path / family)
+    rows = grpo_two_steps(tmp_path, model_dir)
     assert [r["step"] for r in rows] == [1, 2]
     formula = (2 - 1) / (1 * 2) * _sharded_bytes(model_dir)
     for r in rows:

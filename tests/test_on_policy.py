@@ -3,31 +3,17 @@ verl's dp_actor does (old_log_prob = log_prob.detach(): the ratio is exactly 1),
 then skips the separate old-log-prob forward. Proven against the two longer ways round: the
 forward kept (same loss: bit for bit), and the off-policy loss on the recomputed log-probs (the
 same update up to fp32 rounding)."""
-from pathlib import Path
-
 import pytest
 import torch
 
-from hybridengine.config import load_config
-
-ROOT = Path(__file__).resolve().parent.parent
-STORIES = ROOT / "models" / "stories260k"
-TRAIN = ROOT / "data" / "stories_keywords" / "train.jsonl"
+from test_temperature import tiny_trainer
 
 
 def _trainer(tmp_path, *overrides):
-    from hybridengine.rl.trainer import Trainer
     torch.manual_seed(0)
-    cfg = load_config(["--config", str(ROOT / "configs" / "tiny.yaml"),
-                       f"data.train_files={TRAIN}", "data.val_files=null",
-                       f"actor_rollout_ref.model.path={STORIES}",
-                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-                       "data.train_batch_size=4", "actor_rollout_ref.rollout.n=3",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
-                       "data.max_response_length=12", "trainer.logger=[]",
-                       f"trainer.default_local_dir={tmp_path}", *overrides])
-    return Trainer(cfg)
+    # two training micro-batches against the scoring pass's one
+    return tiny_trainer(tmp_path, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6",
+                        *overrides)
 
 
 def _step(trainer):

@@ -15,7 +15,8 @@ TRAIN = ROOT / "data" / "stories_keywords" / "train.jsonl"
 ENGINE_FP32_GAP = 1e-4
 
 
-def _sampled_batch(tmp_path, temperature: float, *overrides):
+def tiny_trainer(tmp_path, *overrides):
+    """One process, stories260K: 4 prompts x 3 samples of <= 12 tokens, one mini-batch."""
     from hybridengine.rl.trainer import Trainer
     cfg = load_config(["--config", str(ROOT / "configs" / "tiny.yaml"),
                        f"data.train_files={TRAIN}", "data.val_files=null",
@@ -24,10 +25,14 @@ def _sampled_batch(tmp_path, temperature: float, *overrides):
                        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=3",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                       f"actor_rollout_ref.rollout.temperature={temperature}",
                        "data.max_response_length=12", "trainer.logger=[]",
                        f"trainer.default_local_dir={tmp_path}", *overrides])
-    trainer = Trainer(cfg)
+    return Trainer(cfg)
+
+
+def _sampled_batch(tmp_path, temperature: float, *overrides):
+    trainer = tiny_trainer(tmp_path, f"actor_rollout_ref.rollout.temperature={temperature}",
+                           *overrides)
     batch, _ = trainer.collector.collect([0, 1, 2, 3], lambda: None, 1, trainer.train_ds)
     trainer._score(batch, {}, False)
     return trainer, batch
