@@ -88,6 +88,10 @@ for p in $parts; do case $p in
            fixed="--workload fixed --algo grpo --defaults --steps 2 $data"
            for m in ${MODELS:-1.5b 3b 7b}; do T=${T:-580} run "grpo_$m" python3 tools/bench_ppo.py $fixed --model "$m"; done
            T=${T:-580} run grpo_7b_lora64 python3 tools/bench_ppo.py $fixed --model 7b --lora 64
+           # the plan's 7B LoRA peak is an 8,192-token micro-batch's activations (45.6 GiB of
+           # 64.1): half the budget for issue 24's <= 60 GB
+           T=${T:-580} run grpo_7b_lora64_4k python3 tools/bench_ppo.py $fixed --model 7b --lora 64 \
+             --set actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096
            T=${T:-580} run grpo_0.5b_lora64 python3 tools/bench_ppo.py $fixed --model 0.5b --lora 64
            T=${T:-580} run grpo_0.5b python3 tools/bench_ppo.py $fixed --model 0.5b ;;
   ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
