@@ -6,7 +6,7 @@ parity check, rollout TP 1). head_dim 32: vLLM's CPU attention takes no smaller.
 import torch
 
 from dist_utils import run_dist
-from test_vllm import _hf_greedy, _parity_rank, _prompts, vllm_ok  # noqa: F401 - a fixture
+from test_vllm import _hf_greedy, _parity_rank, _prompts, save_tiny_hd32, vllm_ok  # noqa: F401
 
 # frequencies below 1 / (original / low_freq_factor) are scaled: these prompts and responses
 # (up to 21 positions) run past original_max_position_embeddings
@@ -44,6 +44,7 @@ def _families_rank(rank, world, dirs):
 
 
 def test_vllm_matches_builtin_and_hf_after_a_training_step(vllm_ok, tmp_path):
+    """Qwen2 (test_vllm's model, at rollout TP 1 here), Qwen3, Llama 3 with llama3 scaling."""
     from transformers import AutoConfig, AutoModelForCausalLM
     dirs = [save_family_hd32(tmp_path / f, f) for f in ("qwen3", "llama3_rope")]
     # the scaling matters to these greedy tokens: without it, Hugging Face's differ
@@ -53,4 +54,4 @@ def test_vllm_matches_builtin_and_hf_after_a_training_step(vllm_ok, tmp_path):
     AutoModelForCausalLM.from_pretrained(dirs[1], config=config).save_pretrained(str(unscaled))
     prompts = _prompts(97)
     assert _hf_greedy(dirs[1], prompts) != _hf_greedy(str(unscaled), prompts)
-    run_dist(_families_rank, 1, dirs)
+    run_dist(_families_rank, 1, [save_tiny_hd32(tmp_path / "qwen2", "qwen2", tied=True), *dirs])
