@@ -34,5 +34,14 @@ def save_tiny(path, kind: str, tied: bool, seed: int = 0, **kw) -> str:
     return str(path)
 
 
+def save_cases(root, make, cases) -> dict[str, str]:
+    """{case: directory} of make(case) saved under root/case (a module fixture's HF models)."""
+    out = {}
+    for name in cases:
+        make(name).save_pretrained(str(root / name))
+        out[name] = str(root / name)
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()

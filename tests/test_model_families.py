@@ -19,7 +19,7 @@ from hybridengine.parallel.tensor import sync_sequence_parallel_grads
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
-from model_utils import rel_err
+from model_utils import rel_err, save_cases
 from test_rollout import TRITON_MATCHES_SDPA, _run_in_triton_interpreter
 
 VOCAB = 97
@@ -57,12 +57,7 @@ def family_hf_model(name: str, seed: int = 0, vocab: int = VOCAB):
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    out = {}
-    for name in CASES:
-        family_hf_model(name).save_pretrained(str(root / name))
-        out[name] = str(root / name)
-    return out
+    return save_cases(tmp_path_factory.mktemp("families"), family_hf_model, CASES)
 
 
 def _seqs(seed=1):

@@ -19,7 +19,7 @@ from hybridengine.parallel.mesh import build_mesh
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
-from model_utils import rel_err
+from model_utils import rel_err, save_cases
 # the shared fixtures of the families tests (the same vocabulary, lengths and prompts)
 from test_rollout import TRITON_MATCHES_SDPA
 from test_model_families import (MAX_NEW, VOCAB, _engine_greedy, _hf_greedy, _hf_logits,
@@ -60,12 +60,7 @@ def family_hf_model(name: str, seed: int = 0, vocab: int = VOCAB):
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma_families")
-    out = {}
-    for name in CASES:
-        family_hf_model(name).save_pretrained(str(root / name))
-        out[name] = str(root / name)
-    return out
+    return save_cases(tmp_path_factory.mktemp("gemma_families"), family_hf_model, CASES)
 
 
 def test_config_and_plans_see_the_family(dirs):

@@ -10,7 +10,7 @@ from hybridengine.models.decoder import Decoder
 from hybridengine.models.hf import SafetensorsDir, load_decoder, read_model_config, save_hf
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.mesh import build_mesh
-from model_utils import rel_err
+from model_utils import rel_err, save_cases
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
@@ -48,12 +48,7 @@ def moe_hf_model(name: str, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    out = {}
-    for name in CASES:
-        moe_hf_model(name).save_pretrained(str(root / name))
-        out[name] = str(root / name)
-    return out
+    return save_cases(tmp_path_factory.mktemp("moe"), moe_hf_model, CASES)
 
 
 def test_config_and_parameter_lists(dirs):

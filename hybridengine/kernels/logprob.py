@@ -283,14 +283,14 @@ def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     # Out-of-range ids (e.g. ignore indices) become -1: owned by no chunk on any rank.
     targets = targets.to(device=x.device, dtype=torch.long)
     targets = torch.where((targets >= 0) & (targets < vocab_size), targets, -1).contiguous()
+    num_tokens = x.shape[0]
+    if rows is not None:
+        rows = rows.to(device=x.device, dtype=torch.long)
+        x, targets = x.index_select(0, rows), targets.index_select(0, rows)
+    lp, ent = _FusedLinearLogprobEntropy.apply(x, weight, targets, tp_group, vocab_size,
+                                               float(temperature), chunk_cols,
+                                               _chunk_ops(x, impl))
     if rows is None:
-        return _FusedLinearLogprobEntropy.apply(x, weight, targets, tp_group, vocab_size,
-                                                float(temperature), chunk_cols,
-                                                _chunk_ops(x, impl))
-    rows = rows.to(device=x.device, dtype=torch.long)
-    picked = x.index_select(0, rows)
-    lp, ent = _FusedLinearLogprobEntropy.apply(picked, weight, targets.index_select(0, rows),
-                                               tp_group, vocab_size, float(temperature),
-                                               chunk_cols, _chunk_ops(picked, impl))
-    zeros = lp.new_zeros(x.shape[0])
+        return lp, ent
+    zeros = lp.new_zeros(num_tokens)
     return zeros.index_copy(0, rows, lp), zeros.index_copy(0, rows, ent)

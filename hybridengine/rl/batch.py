@@ -86,7 +86,7 @@ def build_microbatch(batch: Batch, idx: list[int], tp: int, fields: tuple[str, .
     tensors = {"targets": torch.cat(targets), "resp_idx": resp_idx,
                "resp_mask": batch.response_mask[t],
                # (one row at least: the loss keeps its path to the weights)
-               "logprob_rows": torch.cat(rows) if offset and sum(map(len, rows)) else
+               "logprob_rows": torch.cat(rows) if any(map(len, rows)) else
                torch.zeros(1, dtype=torch.long)}
     tensors.update({f: batch.tensors[f][t] for f in fields})
     return MicroBatch(packed, tensors)

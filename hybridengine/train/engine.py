@@ -180,15 +180,17 @@ class TrainEngine:
         """Each micro-batch's share of this CP rank (None without context parallelism)."""
         if self.mesh.cp == 1:
             return [None] * len(mbs)
-        tp = self.mesh.tp if self.model.sp else 1
-        return [split_for_cp(mb.packed, self.mesh, tp) for mb in mbs]
+        return [split_for_cp(mb.packed, self.mesh, self._sp_size) for mb in mbs]
+
+    @property
+    def _sp_size(self) -> int:
+        """The ranks a sequence-parallel activation is split over (1: replicated)."""
+        return self.mesh.tp if self.model.sp else 1
 
     def _activation_shape(self, mbs, views):
-        tp = self.mesh.tp if self.model.sp else 1
-
         def shape(i):
             packed = mbs[i].packed if views[i] is None else views[i].packed
-            return torch.Size((packed.num_tokens // tp, self.cfg.hidden_size))
+            return torch.Size((packed.num_tokens // self._sp_size, self.cfg.hidden_size))
         return shape
 
     def _stage_outputs(self, mb: MicroBatch, hidden_in, view: CPView | None = None):
@@ -252,7 +254,7 @@ class TrainEngine:
         and replicas (every rank of TP computes the same); none without router losses."""
         if not any(m.aux_loss_coef or m.z_loss_coef for m in self.moe_layers):
             return {}
-        sums = torch.stack([m.loss_sums for m in self.moe_layers]).sum(0).to(torch.float64)
+        sums = torch.stack([m.loss_sums for m in self.moe_layers]).sum(0)
         for group, size in ((self.mesh.pp_group, self.mesh.pp), (self.mesh.dp_cp_group,
                                                                  self.mesh.dp * self.mesh.cp)):
             if size > 1:
