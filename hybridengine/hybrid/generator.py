@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -179,9 +179,9 @@ class Generator:
             engine = self._rollout_engine(model)
             replica = self._replica(self.gen_mesh.rank)[0]
             mine = list(range(replica, len(prompts), self.gen_mesh.gen_dp))
-            if params.seed is not None:       # replicas must not share random streams
-                params = replace(params, seed=params.seed * 1_000_003 + replica)
-            results = engine.generate([prompts[i] for i in mine], params)
+            # one seed everywhere, each sequence keyed by its prompt's global index: replicas
+            # draw distinct streams, and a run samples the same tokens at any layout
+            results = engine.generate([prompts[i] for i in mine], params, prompt_indices=mine)
             slots = self._slot_use(engine, len(mine))
             if self.cfg.free_cache_engine:
                 engine.free_cache()

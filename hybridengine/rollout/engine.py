@@ -127,7 +127,12 @@ class Engine:
         self.runner.free()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 prompt_indices: list[int] | None = None) -> list[GenerationResult]:
+        """Results ordered prompt-major (prompt i, sample j at i·n + j). Sample j of prompt i
+        draws from the random stream of (seed, prompt_indices[i]·n + j), so a caller that hands
+        each replica a share of one global batch (the prompts' global indices, one seed for all)
+        samples the same tokens at any number of replicas (default: 0, 1, 2, ...)."""
         t_start = time.perf_counter()
         # token ids: checked by each prefill's plan (numpy) rather than here in Python, where
         # min/max over every prompt cost ~2-3 ms before the first step could start
@@ -137,9 +142,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self._shared_seed()
         # prompts as given (lists of ints, numpy or tensor ids alike: the prefill plan reads
         # them through numpy); a copy per token cost ~15 ms per 131k prompt tokens
+        index = prompt_indices if prompt_indices is not None else range(len(prompts))
         seqs = [Sequence(i * params.n + j, i, p if isinstance(p, list) else list(p),
                          min(params.max_tokens, self.max_model_len - len(p)),
-                         sequence_key(seed, i * params.n + j))
+                         sequence_key(seed, index[i] * params.n + j))
                 for i, p in enumerate(prompts) for j in range(params.n)]
         runner = self.runner
         runner.allocate()

@@ -236,15 +236,19 @@ class VllmRollout:
 
     # --- generation ---------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        """Results ordered prompt-major (prompt i, sample j at i·n + j), as Engine.generate."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 prompt_indices: list[int] | None = None) -> list[GenerationResult]:
+        """Results ordered prompt-major (prompt i, sample j at i·n + j), as Engine.generate; the
+        seed of prompt i is keyed by prompt_indices[i] (default i), as Engine.generate's."""
         check_prompts(prompts, self.max_model_len, self.cfg.vocab_size)
         if not prompts:
             return []
         if self.asleep:
             raise RuntimeError("generate() on a sleeping engine: call update_weights() first")
         seed = params.seed if params.seed is not None else self._shared_seed()
-        sampling = [to_vllm_sampling(params, len(p), self.max_model_len, sequence_key(seed, i))
+        index = prompt_indices if prompt_indices is not None else range(len(prompts))
+        sampling = [to_vllm_sampling(params, len(p), self.max_model_len,
+                                     sequence_key(seed, index[i]))
                     for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         with _num_threads(self.num_threads):
