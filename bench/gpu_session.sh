@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe; ONLY="ppo_seed grpo_fixed"
+#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl);
@@ -107,6 +107,12 @@ for p in $parts; do case $p in
              run "rollout_$m" python3 tools/bench_rollout.py --model "$m" --compile --compile-prefill
              T=${T:-580} run "grpo_$m" python3 tools/bench_ppo.py --workload fixed --algo grpo --defaults --steps 2 --model "$m" $data
            done ;;
+  longseq) # issue 28, one GPU: one actor update on single sequences of 8k, 16k and 32k tokens,
+           # recomputation on, at 0.5B and 1.5B (where one GPU stops: an OOM prints {"oom": true})
+           for m in ${LONGSEQ_MODELS:-0.5b 1.5b}; do for n in ${LONGSEQ_LENS:-8192 16384 32768}; do
+             T=${T:-200} run "longseq_${m}_$n" python3 tools/bench_train.py --model "$m" --seq-len "$n" \
+               --num-mb 1 --iters 3 --recompute
+           done; done ;;
   families|families_rollout|families_ppo)
            # issue 26, one GPU: the Qwen3-0.6B, Qwen3-1.7B and Gemma-2-2B shapes beside Qwen2.5-0.5B
            # in the same session, the same flags for each (FAMILY_MODELS: a subset). Rollout:
