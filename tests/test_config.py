@@ -143,19 +143,27 @@ def test_ignored_keys_warn_once(caplog):
     with caplog.at_level(logging.WARNING, logger="hybridengine.config"):
         cfg = load_config(["actor_rollout_ref.model.use_remove_padding=True",
                            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-                           "+ray_init.num_cpus=4", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+                           "+ray_init.num_cpus=4",
+                           "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null",
                            "trainer.balance_batch=True", "trainer.balance_batch=True"])
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert message.count("trainer.balance_batch") == 1
-    for key in ("use_remove_padding", "fsdp_config.param_offload", "ray_init.num_cpus", "expert_model"):
+    for key in ("use_remove_padding", "fsdp_config.param_offload", "ray_init.num_cpus",
+                "virtual_pipeline"):
         assert key in message
     assert "fsdp_config" not in cfg.actor_rollout_ref.actor
 
 
 def test_unsupported_feature_rejected_unless_neutral():
-    with pytest.raises(ValueError, match="expert_model_parallel_size=2 is not supported"):
-        load_config(["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"])
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2 is not supported"):
+        load_config(["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])
+    # expert parallelism is built (MoE): a key of the tree, typed like the other sizes
+    cfg = load_config(["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"])
+    assert cfg.actor_rollout_ref.actor.megatron.expert_model_parallel_size == 2
+    assert cfg.critic.megatron.expert_model_parallel_size == 2        # the critic follows
+    with pytest.raises(ValueError, match="expert_model_parallel_size='x': expected an integer"):
+        load_config(["actor_rollout_ref.actor.megatron.expert_model_parallel_size=x"])
 
 
 @pytest.mark.parametrize("override, message", [

@@ -38,11 +38,14 @@ def uses_reference(cfg: DictConfig) -> bool:
 def _role_layout(role: DictConfig, section: str, world_size: int) -> Layout:
     """A role's layout; its context parallelism from either of verl's keys: Ulysses
     (ulysses_sequence_parallel_size) or megatron.context_parallel_size, K/V all-gathered or in
-    a ring by megatron.cp_comm_type."""
+    a ring by megatron.cp_comm_type; its expert parallelism from
+    megatron.expert_model_parallel_size (parallel.layout)."""
     megatron, ulysses = role.megatron, role.ulysses_sequence_parallel_size
     cp = megatron.context_parallel_size
     for key, size in (("ulysses_sequence_parallel_size", ulysses),
-                      ("megatron.context_parallel_size", cp)):
+                      ("megatron.context_parallel_size", cp),
+                      ("megatron.expert_model_parallel_size",
+                       megatron.expert_model_parallel_size)):
         if size < 1:
             raise ValueError(f"{section}.{key}={size} must be >= 1")
     if ulysses > 1 and cp > 1:
@@ -55,7 +58,7 @@ def _role_layout(role: DictConfig, section: str, world_size: int) -> Layout:
     return Layout.of_world(megatron.tensor_model_parallel_size,
                            megatron.pipeline_model_parallel_size, world_size,
                            bool(megatron.sequence_parallel), section + ".megatron", size,
-                           attention, f"{section}.{key}")
+                           attention, f"{section}.{key}", megatron.expert_model_parallel_size)
 
 
 def derive_layout(cfg: DictConfig, world_size: int) -> RunLayout:

@@ -107,7 +107,7 @@ IGNORED = (
     "trainer.ray_wait_register_center_timeout",
 )
 # Parallel features we lack: accepted (and dropped) only at their neutral value.
-NEUTRAL_ONLY = {"virtual_pipeline_model_parallel_size": None, "expert_model_parallel_size": 1}
+NEUTRAL_ONLY = {"virtual_pipeline_model_parallel_size": None}
 
 _KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a string",
                "list[str]": "a list of strings", "list[float]": "a list of numbers",

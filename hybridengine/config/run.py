@@ -83,6 +83,7 @@ class RefMegatronSection:
     pipeline_model_parallel_size: int
     context_parallel_size: int
     cp_comm_type: str
+    expert_model_parallel_size: int
     sequence_parallel: bool
     param_dtype: str
     param_offload: bool | str             # false | true | "auto" (rl.memory resolves it)

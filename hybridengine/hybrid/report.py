@@ -6,6 +6,7 @@ algorithm: an all-gather of chunks of c bytes over g ranks sends and receives (g
 from __future__ import annotations
 
 import resource
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,3 +45,24 @@ def switch_metrics(reports: list[SwitchReport]) -> dict[str, float]:
         "reshard/collectives": float(sum(r.num_collectives for r in reports)),
         "reshard/peak_memory_gb": max(r.peak_memory_after_gb for r in reports),
     }
+
+
+class Stats:
+    """Bytes received and collectives issued by one switch."""
+
+    def __init__(self):
+        self.bytes, self.collectives = 0, 0
+
+
+def start_clock(device: torch.device) -> tuple[float, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)      # earlier queued work is not the switch's
+    return time.perf_counter(), peak_memory_gb(device)
+
+
+def timed(hook) -> float:
+    if hook is None:
+        return 0.0
+    t0 = time.perf_counter()
+    hook()
+    return time.perf_counter() - t0

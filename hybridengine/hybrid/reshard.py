@@ -46,13 +46,15 @@ import torch
 from torch.profiler import record_function
 
 from hybridengine.models.lora import adapted_layers, base_weights
+from hybridengine.hybrid.experts import ExpertGather
 from hybridengine.hybrid.gen_model import assign_weights, build_gen_decoder, release_weights
 from hybridengine.hybrid.lora_switch import frozen_base, gather_adapters, \
     merge_generation_weight
 from hybridengine.hybrid.plan import MODES, ReshardPlan, max_received_numel, plan_reshard
 from hybridengine.hybrid.program import ALIGN_BYTES, Copies, Program, compile_program, \
     new_arena, rect, weight_views
-from hybridengine.hybrid.report import SwitchReport, peak_memory_gb, switch_metrics
+from hybridengine.hybrid.report import Stats, SwitchReport, peak_memory_gb, start_clock, \
+    switch_metrics, timed
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.parallel import tensor as ptensor
 from hybridengine.parallel.mesh import GenMesh, ParallelMesh
@@ -114,6 +116,9 @@ class HybridEngine:
         self._lora_base: tuple[Program, dict[str, torch.Tensor]] | None = None
         self._lora_merged: dict[str, torch.Tensor] = {}
         self._lora_names: list[str] = []
+        # expert parallelism: every expert of the EP group first (hybrid.experts)
+        self._experts = ExpertGather(train_mesh.ep_group, cfg.num_experts) \
+            if train_mesh.ep > 1 else None
 
     def plan(self, dtype: torch.dtype) -> tuple[ReshardPlan, int]:
         """(plan of this rank's group, this rank's member index) for a rollout dtype (cached)."""
@@ -153,13 +158,17 @@ class HybridEngine:
              if not n.startswith("value_head.")}
         first = next(iter(params.values()))
         device, dtype = first.device, self.dtype or first.dtype
+        t0, peak0 = start_clock(device)
+        offload_s = timed(self.offload)
+        stats = Stats()
+        if self._experts is not None:
+            params, stats.bytes = self._experts(params)
+            stats.collectives = 1
         prog = self._program(params, dtype)          # checks the shard before anything moves
-        t0, peak0 = _start(device)
-        offload_s = _timed(self.offload)
         if self.model is None:
             self.model = build_gen_decoder(self.cfg, self.gen_mesh, prog.plan.gen_params,
                                            train_model)
-        stats, busiest = _Stats(), prog.busiest_bytes
+        busiest = prog.busiest_bytes + stats.bytes   # EP: every rank gathers the same
         if adapted:
             with torch.no_grad(), record_function("reshard"):
                 busiest = self._lora_to_generation(prog, params, adapted, dtype, device, stats)
@@ -189,7 +198,7 @@ class HybridEngine:
         return adapted_layers(train_model) or None
 
     def _lora_to_generation(self, prog: Program, params: dict, adapted: dict, dtype, device,
-                            stats: _Stats) -> int:
+                            stats: Stats) -> int:
         """The base's generation shard at the first switch (the program, then only its arena
         is kept: M/t_g between switches), the adapters' gather and the merge at every switch.
         Returns the bytes the busiest rank receives."""
@@ -218,16 +227,18 @@ class HybridEngine:
         if not self._active:
             raise RuntimeError("to_training() called without a preceding to_generation()")
         device = next(self.model.parameters()).device
-        t0, peak0 = _start(device)
+        t0, peak0 = start_clock(device)
         if self._lora_base is not None:      # adapter-only switches: the base shard stays
             if not self.keep_weights:        # the merged weights go; the base views stay
                 release_weights(self.model, self._lora_names)
-        elif not self.keep_weights and _holds_memory(self._store):
+        elif not self.keep_weights and (_holds_memory(self._store) or self._experts):
             release_weights(self.model)
             self._store = _Store()
+            if self._experts is not None:
+                self._experts.release()
         self._active = False
-        offload_s = _timed(self.reload)
-        return self._report("to_training", t0, peak0, device, offload_s, _Stats(), 0)
+        offload_s = timed(self.reload)
+        return self._report("to_training", t0, peak0, device, offload_s, Stats(), 0)
 
     def pop_metrics(self) -> dict[str, float]:
         """Metrics of the switches since the last call (timing_s/reshard, reshard/*)."""
@@ -251,25 +262,6 @@ def _holds_memory(store: _Store) -> bool:
     prog = store.program
     return prog is None or bool(prog.arena_numel or prog.gen_arena_numel
                                 or prog.plan.chunk_numels)
-
-
-class _Stats:
-    def __init__(self):
-        self.bytes, self.collectives = 0, 0
-
-
-def _start(device: torch.device) -> tuple[float, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)      # earlier queued work is not the switch's
-    return time.perf_counter(), peak_memory_gb(device)
-
-
-def _timed(hook) -> float:
-    if hook is None:
-        return 0.0
-    t0 = time.perf_counter()
-    hook()
-    return time.perf_counter() - t0
 
 
 def _check_shard(params: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
@@ -361,7 +353,7 @@ def _direct_step(prog: Program, b: int, n: int, detached: dict, out: dict, dtype
     return _Step(True, Copies([slot.view(rows, cols)], [mine]), slot, output)
 
 
-def _run(prog: Program, store: _Store, group, stats: _Stats, group_numel: int) -> None:
+def _run(prog: Program, store: _Store, group, stats: Stats, group_numel: int) -> None:
     """Local copies; the direct buckets' gathers, coalesced into groups of about `group_numel`
     gathered elements; then per flat bucket: pack, all-gather (async), unpack the previous flat
     bucket. The direct gathers keep the network busy while the first flat buckets are packed."""

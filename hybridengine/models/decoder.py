@@ -125,6 +125,14 @@ class ModelConfig:
                              f"per tensor-parallel rank, num_attention_heads/tp = "
                              f"{self.num_heads}/{tp}")
 
+    def check_ep(self, ep: int) -> None:
+        """Expert parallelism shares out whole experts (models.moe): E/ep per rank."""
+        if ep > 1 and (self.num_experts == 0 or self.num_experts % ep):
+            raise ValueError(f"megatron.expert_model_parallel_size={ep} must divide the "
+                             f"model's num_experts={self.num_experts}" if self.num_experts else
+                             f"megatron.expert_model_parallel_size={ep} needs a mixture-of-"
+                             f"experts model ({self.model_type} has no experts)")
+
     def num_params(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
@@ -221,7 +229,7 @@ class DecoderLayer(nn.Module):
     names as HF's, post_attention_layernorm norming the attention output, and a pre- / post-norm
     pair around the MLP."""
 
-    def __init__(self, cfg, layer_idx, group, sp, dtype, device):
+    def __init__(self, cfg, layer_idx, group, sp, dtype, device, ep_group=None):
         super().__init__()
         norm, h, eps = norm_class(cfg), cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = norm(h, eps, dtype, device)
@@ -230,8 +238,8 @@ class DecoderLayer(nn.Module):
         self.sandwich = cfg.gemma
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(h, eps, dtype, device)
-        self.mlp = MoEMLP(cfg, group, sp, dtype, device) if cfg.is_moe_layer(layer_idx) \
-            else MLP(cfg, group, sp, dtype, device)
+        self.mlp = MoEMLP(cfg, group, sp, dtype, device, ep_group) \
+            if cfg.is_moe_layer(layer_idx) else MLP(cfg, group, sp, dtype, device)
         if self.sandwich:
             self.post_feedforward_layernorm = norm(h, eps, dtype, device)
         # Gemma 3: sliding layers rotate with their own RoPE base (Decoder.forward's tables)
@@ -247,18 +255,19 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """One pipeline stage of the decoder (the whole model when pp = 1) on one TP rank."""
+    """One pipeline stage of the decoder (the whole model when pp = 1) on one TP rank; with an
+    expert-parallel group, this EP rank's experts of every MoE layer (models.moe)."""
 
     def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False,
                  pp_rank: int = 0, pp_size: int = 1, value_head: bool = False,
-                 dtype=None, device=None):
+                 dtype=None, device=None, ep_group=None):
         super().__init__()
         tp = group_size(tp_group)
         cfg.check_tp(tp)
         if cfg.intermediate_size % tp:
             raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by "
                              f"tensor parallel size {tp}")
-        self.cfg, self.tp_group = cfg, tp_group
+        self.cfg, self.tp_group, self.ep_group = cfg, tp_group, ep_group
         self.sp = sequence_parallel and tp > 1
         self.pp_rank, self.pp_size = pp_rank, pp_size
         # Activation recomputation (model.enable_gradient_checkpointing): in training, a layer
@@ -275,7 +284,7 @@ class Decoder(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
                                                        self.sp, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp_group, self.sp, dtype, device)
+            DecoderLayer(cfg, i, tp_group, self.sp, dtype, device, ep_group)
             for i in range(self.layer_start, self.layer_end))
         self.value_head = None
         if self.is_last:

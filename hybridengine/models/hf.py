@@ -26,7 +26,9 @@ from hybridengine.models.decoder import Decoder, ModelConfig
 # the config side (one module of its own; these names stay importable from here)
 from hybridengine.models.hf_config import SUPPORTED, check_model_dir, hf_config_dict, \
     read_model_config
-from hybridengine.parallel.tensor import all_gather_dim0, group_size, padded_vocab_size
+from hybridengine.models.moe import expert_name, is_expert_param
+from hybridengine.parallel.tensor import all_gather_dim0, group_rank, group_size, \
+    padded_vocab_size
 
 __all__ = ["SUPPORTED", "check_model_dir", "read_model_config", "param_plan", "load_hf_weights",
            "save_hf", "load_decoder", "is_tp_replicated", "SafetensorsDir", "Piece"]
@@ -218,10 +220,21 @@ def _gather_full(model: Decoder, name: str, param: torch.Tensor) -> dict[str, to
     return {k: torch.cat([t for _, t in v], dim=v[0][0]) for k, v in parts.items()}
 
 
+def _gather_experts(model: Decoder, name: str, param: torch.Tensor):
+    """[(name, tensor)]: the parameter itself, or for an expert under expert parallelism the
+    same parameter of every EP rank (expert e + (r − own rank)·E/ep of rank r; one all-gather)."""
+    ep = group_size(model.ep_group)
+    if ep == 1 or not is_expert_param(name):
+        return [(name, param.detach())]
+    local, me = model.cfg.num_experts // ep, group_rank(model.ep_group)
+    chunks = all_gather_dim0(param.detach().unsqueeze(0), model.ep_group)
+    return [(expert_name(name, (r - me) * local), chunks[r]) for r in range(ep)]
+
+
 def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,
             dtype: torch.dtype | None = None) -> None:
-    """Write a complete HF model directory from any (tp, pp, dp) layout (collective over the
-    mesh's world group; `mesh` None: one process).
+    """Write a complete HF model directory from any (tp, pp, dp, cp, ep) layout (collective
+    over the mesh's world group; `mesh` None: one process).
 
     Pipeline stage s's first rank writes model-0000{s+1}-of-0000{pp}.safetensors; global rank 0
     writes config.json, the index and tokenizer files (copied from `src_dir`), then renames the
@@ -240,8 +253,9 @@ def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,
     for name, param in base_weights(model):       # LoRA: the merged weights (models.lora)
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue  # the tied copy on the last stage; the first stage writes the embedding
-        for k, t in _gather_full(model, name, param).items():
-            tensors[k] = t.to(dtype or t.dtype).contiguous().cpu()
+        for full_name, whole in _gather_experts(model, name, param):
+            for k, t in _gather_full(model, full_name, whole).items():
+                tensors[k] = t.to(dtype or t.dtype).contiguous().cpu()
     fname = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
@@ -302,6 +316,7 @@ def load_decoder(model_dir: str | os.PathLike, mesh=None, sequence_parallel: boo
     cfg = read_model_config(model_dir)
     tp_group, tp_rank = (mesh.tp_group, mesh.tp_rank) if mesh else (None, 0)
     pp, pp_rank = (mesh.pp, mesh.pp_rank) if mesh else (1, 0)
-    model = Decoder(cfg, tp_group, sequence_parallel, pp_rank, pp, value_head, dtype, device)
+    model = Decoder(cfg, tp_group, sequence_parallel, pp_rank, pp, value_head, dtype, device,
+                    getattr(mesh, "ep_group", None))
     load_hf_weights(model, model_dir, tp_rank)
     return model

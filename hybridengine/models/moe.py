@@ -1,5 +1,5 @@
 """Mixture-of-experts MLP: Hugging Face's Qwen3-MoE and Mixtral sparse blocks, tensor parallel
-inside every expert.
+inside every expert, the experts shared out over an expert-parallel group.
 
 Routing (both families): router logits = x·Wᵣᵀ, probabilities = softmax in fp32, the top-k of
 them per token, renormalised to sum 1 (Mixtral always; Qwen3-MoE with norm_topk_prob). Qwen3-MoE
@@ -19,18 +19,43 @@ the partial outputs are summed over TP (reduce-scattered back to sequence shards
 rank's router gradient comes from its own slices only, so it is summed over TP as the q/k-norm
 weights' are (`sequence_parallel` marks it for that sum).
 
+Expert parallelism (ep_group of ep ranks, parallel.layout): this rank holds experts
+[r·E/ep, (r+1)·E/ep) only, named by their global ids (experts.{e}: the HF names), and the router
+whole. Each rank routes its own tokens; the rows for another rank's experts go there and back by
+all-to-all (parallel.experts), inside the EP group of this TP rank: every TP rank of a replica
+routes the same tokens the same way, so each sends the same rows, its experts' TP slices compute
+their partial outputs, and the TP sum after the combine is the dense path's. The sync-free form
+(rollout) needs every expert: the generation model has no EP.
+
 Router losses (training, off by default as in Megatron): the load-balancing loss and the z-loss
 per layer, their gradients started from the layer output (no path to the trainer's loss), their
 values summed for the step's metrics (actor/moe/*).
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from hybridengine.models.features import activation
-from hybridengine.parallel.tensor import copy_to_tp, divide, gather_from_sp, group_size, \
-    reduce_from_tp, reduce_scatter_to_sp
+from hybridengine.parallel.experts import combine, dispatch
+from hybridengine.parallel.tensor import copy_to_tp, divide, gather_from_sp, group_rank, \
+    group_size, reduce_from_tp, reduce_scatter_to_sp
+
+
+_EXPERT_NAME = re.compile(r"(.+\.mlp\.experts\.)(\d+)(\..+)")
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (not replicated over an EP group), by its Decoder name."""
+    return _EXPERT_NAME.fullmatch(name) is not None
+
+
+def expert_name(name: str, shift: int) -> str:
+    """The name of the same weight of expert id + shift (another EP rank's expert)."""
+    m = _EXPERT_NAME.fullmatch(name)
+    return f"{m.group(1)}{int(m.group(2)) + shift}{m.group(3)}"
 
 
 class Expert(nn.Module):
@@ -50,11 +75,29 @@ class Expert(nn.Module):
         return self.down_proj(act(gate) * up)
 
 
-class MoEMLP(nn.Module):
-    def __init__(self, cfg, group, sp: bool, dtype, device):
+class ExpertShard(nn.Module):
+    """This EP rank's experts, named by their global ids; iterated in id order."""
+
+    def __init__(self, ids: range, make):
         super().__init__()
-        self.group, self.sequence_parallel = group, sp
-        tp = group_size(group)
+        for e in ids:
+            self.add_module(str(e), make())
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+class MoEMLP(nn.Module):
+    def __init__(self, cfg, group, sp: bool, dtype, device, ep_group=None):
+        super().__init__()
+        self.group, self.sequence_parallel, self.ep_group = group, sp, ep_group
+        tp, ep = group_size(group), group_size(ep_group)
+        if cfg.num_experts % ep:
+            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by "
+                             f"expert_model_parallel_size={ep}")
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weights_in_fp32 = cfg.model_type == "mixtral"
@@ -63,8 +106,10 @@ class MoEMLP(nn.Module):
                               device=device)
         nn.init.normal_(self.gate.weight, std=0.02)
         self.gate.weight.sequence_parallel = tp > 1
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, ffn, dtype, device)
-                                     for _ in range(cfg.num_experts))
+        local = cfg.num_experts // ep
+        self.experts = ExpertShard(range(group_rank(ep_group) * local,
+                                         (group_rank(ep_group) + 1) * local),
+                                   lambda: Expert(cfg.hidden_size, ffn, dtype, device))
         self.act = activation(cfg.hidden_act)
         self.tp = tp
         # router losses (training only; 0: off), set by the training engine from the run's
@@ -92,6 +137,8 @@ class MoEMLP(nn.Module):
     sync_free = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sync_free and group_size(self.ep_group) > 1:
+            raise RuntimeError("the sync-free MoE form needs every expert on this rank (no EP)")
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
         logits, weights, experts = self.route(x)
         out = self._every_expert(x, weights, experts) if self.sync_free else \
@@ -133,19 +180,26 @@ class MoEMLP(nn.Module):
         return out
 
     def _routed(self, x, weights, experts) -> torch.Tensor:
-        """Each expert over the tokens routed to it (Megatron's SequentialMLP)."""
+        """Each expert over the tokens routed to it (Megatron's SequentialMLP); under EP, over
+        the rows every rank of the EP group routed to it (parallel.experts)."""
         # the (token, slot) pairs sorted by expert: each expert reads one contiguous block
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         routed = x[tokens]
+        sent = dispatch(routed, counts, self.ep_group) if group_size(self.ep_group) > 1 \
+            else None
+        rows, counts = (routed, counts.tolist()) if sent is None else \
+            (sent.rows, sent.expert_counts)
         outs, start = [], 0
         for expert, n in zip(self.experts, counts):
             if n:
-                outs.append(expert(routed[start:start + n], self.act))
+                outs.append(expert(rows[start:start + n], self.act))
             start += n
-        y = torch.cat(outs) if outs else routed[:0]
+        y = torch.cat(outs) if outs else rows[:0]
+        if sent is not None:
+            y = combine(y, sent)
         scale = weights.reshape(-1)[order].unsqueeze(-1)
         y = (y * scale).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, y)

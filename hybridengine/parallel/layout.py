@@ -10,6 +10,12 @@ for gradients, the optimizer and the generation layout they are data-parallel ra
 replica is a (dp_rank, cp_rank) pair, `replica = dp_rank · cp + cp_rank`, and the rank formula is
 the cp = 1 formula over dp·cp replicas.
 
+Expert parallelism (EP, Megatron-core's) is carved out of those replicas: runs of `ep`
+consecutive replicas form an EP group, `ep_rank = replica mod ep`, and EP rank r holds experts
+[r·E/ep, (r+1)·E/ep) of every MoE layer (models.moe); everything else stays replicated over the
+EP group (plain data parallelism there). An expert's replicas are the dp·cp/ep replicas of one
+ep_rank: its expert-data-parallel group, over which its gradients are reduced.
+
 The generation layout of the HybridEngine (HybridFlow §5, arXiv 2409.19256) is derived from the
 actor's training layout and a generation TP degree t_g (p_g = 1): d_g = t·p / t_g generation
 replicas per model replica. Inside one model replica (the t·p ranks sharing a dp_rank),
@@ -47,21 +53,26 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1
     cp_attention: str = "allgather"
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in ("tp", "pp", "dp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout {name}={getattr(self, name)} must be >= 1")
         if self.cp_attention not in CP_ATTENTION:
             raise ValueError(f"context-parallel attention {self.cp_attention!r} is not one of "
                              f"{CP_ATTENTION}")
+        if self.num_replicas % self.ep:
+            raise ValueError(f"expert_model_parallel_size={self.ep} must divide the data-"
+                             f"parallel x context-parallel size {self.dp}*{self.cp}: EP groups "
+                             f"are carved out of the model replicas")
         if self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
 
     @classmethod
     def of_world(cls, tp: int, pp: int, world_size: int, sequence_parallel: bool = False,
                  section: str = "layout", cp: int = 1, cp_attention: str = "allgather",
-                 cp_key: str = "context_parallel_size") -> "Layout":
+                 cp_key: str = "context_parallel_size", ep: int = 1) -> "Layout":
         """The layout whose dp fills `world_size`; `section` and `cp_key` name the config keys
         in the error."""
         if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
@@ -70,7 +81,12 @@ class Layout:
                 f"{section}.tensor_model_parallel_size * pipeline_model_parallel_size"
                 f"{with_cp[0]} = {tp}*{pp}{with_cp[1]} must be positive and divide the world "
                 f"size {world_size}")
-        return cls(tp, pp, world_size // (tp * pp * cp), sequence_parallel, cp, cp_attention)
+        dp = world_size // (tp * pp * cp)
+        if ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"{section}.expert_model_parallel_size={ep} must be positive and "
+                             f"divide the data-parallel x context-parallel size {dp}*{cp} (EP "
+                             f"ranks are carved out of the data-parallel ranks)")
+        return cls(tp, pp, dp, sequence_parallel, cp, cp_attention, ep)
 
     @property
     def world_size(self) -> int:
@@ -82,9 +98,14 @@ class Layout:
         return self.dp * self.cp
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """(tp, pp, dp, cp): layouts of one shape share their process groups."""
-        return self.tp, self.pp, self.dp, self.cp
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(tp, pp, dp, cp, ep): layouts of one shape share their process groups."""
+        return self.tp, self.pp, self.dp, self.cp, self.ep
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the replicas of one expert, dp·cp/ep."""
+        return self.num_replicas // self.ep
 
     def rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
@@ -101,13 +122,22 @@ class Layout:
     def cp_rank(self, rank: int) -> int:
         return (rank // self.tp) % self.cp
 
+    def ep_rank(self, rank: int) -> int:
+        """The rank in its EP group: its replica (dp_rank·cp + cp_rank) mod ep."""
+        return (rank // self.tp) % self.num_replicas % self.ep
+
     def _groups(self, inner: str) -> list[list[int]]:
-        """The ranks that differ only in the coordinates named in `inner` (of "pdct": pipeline,
-        data, context, tensor), a group per value of the other coordinates, in rank order."""
+        """The ranks that differ only in the coordinates named in `inner` (of "pdctex":
+        pipeline, data, context, tensor; or, in place of d and c, the replica's EP rank e and
+        expert-data-parallel rank x), a group per value of the other coordinates, in rank
+        order."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
             pp_rank, dp_rank, tp_rank = self.coords(rank)
-            at = {"p": pp_rank, "d": dp_rank, "c": self.cp_rank(rank), "t": tp_rank}
+            replica = dp_rank * self.cp + self.cp_rank(rank)
+            at = {"p": pp_rank, "t": tp_rank}
+            at.update({"e": replica % self.ep, "x": replica // self.ep} if set(inner) & set("ex")
+                      else {"d": dp_rank, "c": self.cp_rank(rank)})
             groups.setdefault(tuple(v for k, v in at.items() if k not in inner), []).append(rank)
         return list(groups.values())
 
@@ -125,6 +155,14 @@ class Layout:
     def dp_cp_groups(self) -> list[list[int]]:
         """Every replica of one shard: gradients are reduced and ZeRO shards spread over it."""
         return self._groups("dc")
+
+    def ep_groups(self) -> list[list[int]]:
+        """The replicas sharing out the experts (token all-to-all inside)."""
+        return self._groups("e")
+
+    def edp_groups(self) -> list[list[int]]:
+        """Every replica of one expert shard: expert gradients are reduced over it."""
+        return self._groups("x")
 
     def pp_groups(self) -> list[list[int]]:
         return self._groups("p")

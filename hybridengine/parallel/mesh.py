@@ -1,7 +1,7 @@
 """Process groups of the layouts in parallel.layout, built once per run.
 
 `build_meshes(run_layout)` builds every group a run needs, on every rank in the same order (group
-creation is collective): each role's tp/cp/dp/dp-cp/pp/mp groups (roles of one shape share
+creation is collective): each role's tp/cp/dp/dp-cp/pp/mp/ep/expert-dp groups (roles of one shape share
 them), the tied-embedding groups of a pipeline, and the generation layout's gen-TP and micro-DP
 groups. The launcher builds the bundle and hands it down; the library never builds groups of its
 own and never calls a collective on the default group (STYLE rule 1: groups are objects passed
@@ -38,6 +38,8 @@ class ParallelMesh:
     dp_group: object = None               # different micro-batches: metrics, rollouts
     cp_group: object = None               # the tokens of the same micro-batches
     dp_cp_group: object = None            # every replica of this shard: gradients, ZeRO
+    ep_group: object = None               # replicas sharing out the experts: token all-to-all
+    edp_group: object = None              # every replica of this expert shard: its gradients
     mp_group: object = None
     embedding_group: object = None        # first + last stage (pp > 1): a tied embedding's copies
     world_group: object = None            # every rank of the layout: barriers, whole-run gathers
@@ -66,8 +68,16 @@ class ParallelMesh:
         return self.layout.cp_rank(self.rank)
 
     @property
+    def ep_rank(self) -> int:
+        return self.layout.ep_rank(self.rank)
+
+    @property
     def tp(self) -> int:
         return self.layout.tp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
 
     @property
     def cp(self) -> int:
@@ -139,6 +149,9 @@ def build_mesh(layout: Layout, timeout_s: float | None = None) -> ParallelMesh:
     mesh.cp_group, _ = _my_group(layout.cp_groups(), rank, timeout)
     mesh.dp_cp_group = mesh.dp_group if layout.cp == 1 else \
         _my_group(layout.dp_cp_groups(), rank, timeout)[0]
+    if layout.ep > 1:       # else experts are replicated like every other weight
+        mesh.ep_group, _ = _my_group(layout.ep_groups(), rank, timeout)
+        mesh.edp_group, _ = _my_group(layout.edp_groups(), rank, timeout)
     mesh.pp_group, mesh.pp_ranks = _my_group(layout.pp_groups(), rank, timeout)
     mesh.mp_group, _ = _my_group(layout.mp_groups(), rank, timeout)
     mesh.embedding_group, _ = _my_group(layout.embedding_groups(), rank, timeout)
@@ -288,9 +301,9 @@ class Meshes:
 
 def build_meshes(layout: RunLayout, timeout_s: float | None = None) -> Meshes:
     """Build the groups of every role's layout and of the generation layout (collective: every
-    rank calls it, with the same layout). Roles of one (tp, pp, dp, cp) shape share their
+    rank calls it, with the same layout). Roles of one (tp, pp, dp, cp, ep) shape share their
     groups."""
-    by_shape: dict[tuple[int, int, int, int], ParallelMesh] = {}
+    by_shape: dict[tuple[int, ...], ParallelMesh] = {}
     roles = {}
     for name, lay in layout.roles().items():
         if lay.shape not in by_shape:

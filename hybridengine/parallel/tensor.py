@@ -10,6 +10,7 @@ a contiguous block of T/tp tokens.
     gather_from_sp       fwd all-gather dim 0    bwd reduce-scatter    (before a column layer)
     reduce_scatter_to_sp fwd reduce-scatter dim0 bwd all-gather        (after a row layer)
     gather_from_sp_copy  fwd all-gather dim 0    bwd split             (leave SP, replicated output)
+    all_to_all           fwd all-to-all dim 0    bwd all-to-all back   (expert token dispatch)
 
 Layers (weights are this rank's shard; biases follow their output dimension):
     ColumnParallelLinear  Y = X·A^T, A = [A_1; …; A_tp] split on the output dim; Y_i = X·A_i^T
@@ -185,6 +186,34 @@ def _ring_exchange(x: torch.Tensor, group, shift: int) -> torch.Tensor:
     for w in works:
         w.wait()
     return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [Σ send[:j], Σ send[:j+1]) of x go to rank j; the result holds recv[i] rows from
+    each rank i in rank order. The backward sends every row's gradient back where it came
+    from: the same exchange with the split sizes swapped."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return all_to_all_dim0(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_to_all_dim0(g, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all_dim0(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """send[j] rows of x to rank j, recv[i] rows from rank i, in rank order (no autograd)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, recv, send, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """[Σ send, ...] -> [Σ recv, ...] (_AllToAll): send[j] rows to rank j, recv[i] from rank i."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, send, recv, group)
 
 
 def _wrap(fn):

@@ -77,18 +77,21 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
 
 
 def _context_parallel_errors(layout: RunLayout, models: dict) -> list[str]:
-    """Ulysses context parallelism against each role's model heads (models.decoder.check_cp)."""
+    """Context parallelism against each role's model heads, expert parallelism against its
+    experts (models.decoder.check_cp, check_ep)."""
     errors = []
     actor = models.get("actor_rollout_ref.model.path")
     for role, lay in layout.roles().items():
         model = models.get("critic.model.path", actor) if role == "critic" else actor
         section = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref",
                    "critic": "critic"}[role]
-        try:
-            if model is not None:
-                model.check_cp(lay.tp, lay.cp, lay.cp_attention)
-        except ValueError as e:
-            errors.append(f"{section}.{e}")
+        for check in (lambda: model.check_cp(lay.tp, lay.cp, lay.cp_attention),
+                      lambda: model.check_ep(lay.ep)):
+            try:
+                if model is not None:
+                    check()
+            except ValueError as e:
+                errors.append(f"{section}.{e}")
     return list(dict.fromkeys(errors))
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
+from hybridengine.models.moe import is_expert_param
 from hybridengine.models.lora import (LoRAConfig, add_lora, is_lora_replicated,
                                       load_peft_adapter, save_peft_adapter)
 from hybridengine.train.context_split import CPView, split_for_cp
@@ -87,7 +88,7 @@ class TrainEngine:
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
             self.model = Decoder(model_dir, mesh.tp_group, sequence_parallel, mesh.pp_rank,
-                                 mesh.pp, value_head, dtype, self.device)
+                                 mesh.pp, value_head, dtype, self.device, mesh.ep_group)
         else:
             self.model = load_decoder(model_dir, mesh, sequence_parallel=sequence_parallel,
                                       value_head=value_head, dtype=dtype, device=self.device)
@@ -132,13 +133,17 @@ class TrainEngine:
             return self.mesh.tp_rank == 0 or not replicated
         schedule = LRSchedule(o.lr, total_steps=o.total_steps, warmup_steps=o.warmup_steps,
                               warmup_style=o.schedule, min_lr_ratio=o.min_lr_ratio)
-        # CP ranks hold replicas of the weights, their gradients partial sums: reduced with DP's
+        # CP ranks hold replicas of the weights, their gradients partial sums: reduced with DP's;
+        # under EP an expert's replicas are its expert-data-parallel group (parallel.layout)
+        ep = self.mesh.ep > 1
         return DistributedOptimizer(
             list(self.model.named_parameters()), self.mesh.dp_cp_group, self.mesh.mp_group,
             self.mesh.tp_group, lr=schedule, betas=o.betas, eps=o.eps,
             weight_decay=o.weight_decay, grad_clip=o.grad_clip,
             use_distributed_optimizer=o.use_distributed_optimizer, bucket_mb=o.bucket_mb,
-            grad_reduce="sum", count_in_grad_norm=counted, host_step=o.host_step)
+            grad_reduce="sum", count_in_grad_norm=counted, host_step=o.host_step,
+            is_expert=(lambda n, p: is_expert_param(n)) if ep else None,
+            edp_group=self.mesh.edp_group, ep_group=self.mesh.ep_group)
 
     # --- host offload -------------------------------------------------------------------------
     def _parts(self, part: str) -> HostParking:

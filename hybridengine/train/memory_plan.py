@@ -51,6 +51,7 @@ import torch
 from hybridengine.kernels.logprob import _chunks
 from hybridengine.models.decoder import ModelConfig, stage_layers
 from hybridengine.models.lora import FUSED_LAYER
+from hybridengine.models.moe import is_expert_param
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.tensor import padded_vocab_size
 from hybridengine.rollout.kv_cache import plan_num_slots
@@ -159,10 +160,12 @@ class MemoryPlan:
 # --- one rank --------------------------------------------------------------------------------
 
 def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
-                 value_head: bool = False, vocab_rows: int | None = None):
+                 value_head: bool = False, vocab_rows: int | None = None, ep: int = 1,
+                 ep_rank: int = 0):
     """[(name, shape)] of one rank's Decoder shard in named_parameters() order, layer names with
     the global layer index. vocab_rows: rows of a vocabulary shard (default the tp-padded split;
-    a generation shard keeps the training padding, hybrid/plan.py)."""
+    a generation shard keeps the training padding, hybrid/plan.py). ep: the experts of EP rank
+    ep_rank only (E/ep of them; the same count on every EP rank)."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
     qkv, q = (cfg.num_heads + 2 * cfg.num_kv_heads) * d // tp, cfg.num_heads * d // tp
     rows = vocab_rows or padded_vocab_size(cfg.vocab_size, tp) // tp
@@ -180,7 +183,8 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
         if cfg.is_moe_layer(layer):         # models.moe: the router whole, experts split
             e = cfg.moe_intermediate_size // tp
             out += [(n + "mlp.gate.weight", (cfg.num_experts, h))]
-            out += [item for x in range(cfg.num_experts)
+            local = cfg.num_experts // ep
+            out += [item for x in range(ep_rank * local, (ep_rank + 1) * local)
                     for item in ((f"{n}mlp.experts.{x}.gate_up_proj.weight", (2 * e, h)),
                                  (f"{n}mlp.experts.{x}.down_proj.weight", (h, e)))]
         else:
@@ -239,9 +243,12 @@ def lora_numels(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, rank: int,
 def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
     """Bytes of one role on a rank of pipeline stage `pp_rank`."""
     cfg, lay, b, h = spec.cfg, spec.layout, spec.dtype.itemsize, spec.cfg.hidden_size
-    numels = [math.prod(s) for _, s in stage_params(cfg, lay.tp, lay.pp, pp_rank,
-                                                    spec.value_head)]
+    params = stage_params(cfg, lay.tp, lay.pp, pp_rank, spec.value_head, ep=lay.ep)
+    numels = [math.prod(s) for _, s in params]
     trained = numels
+    # EP: E/ep experts, in buckets ZeRO-sharded over expert-DP (train.optimizer; no LoRA)
+    ep = lay.ep > 1 and not spec.lora_rank
+    experts = [math.prod(s) for n, s in params if is_expert_param(n)] if ep else []
     if spec.lora_rank:          # the base frozen: the optimizer's state is the adapters'
         trained = lora_numels(cfg, lay.tp, lay.pp, pp_rank, spec.lora_rank, spec.lora_targets)
         numels = numels + trained
@@ -249,10 +256,12 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             trained = trained + [cfg.hidden_size]        # the value head trains beside them
     grads = master = 0
     if spec.trained:
-        shards = lay.num_replicas if spec.use_distributed_optimizer else 1
-        buckets = grad_buckets(trained, spec.bucket_mb, shards)
         g = torch.promote_types(spec.dtype, torch.float32).itemsize
-        grads, master = sum(buckets) * g, sum(buckets) // shards * g
+        dense = [math.prod(s) for n, s in params if not is_expert_param(n)] if ep else trained
+        for part, replicas in ((dense, lay.num_replicas), (experts, lay.edp)):
+            shards = replicas if spec.use_distributed_optimizer else 1
+            buckets = grad_buckets(part, spec.bucket_mb, shards) if part else []
+            grads, master = grads + sum(buckets) * g, master + sum(buckets) // shards * g
     s = lay.tp if lay.sequence_parallel else 1
     a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel)
     layers = len(range(*stage_layers(cfg.num_layers, lay.pp, pp_rank)))
@@ -293,7 +302,11 @@ def reshard_memory(actor: RoleSpec, g: RolloutSpec,
     align = max(1, ARENA_ALIGN_BYTES // e)
     padded = lambda shape: -(-math.prod(shape) // align) * align     # noqa: E731
     arena = sum(padded(s) for n, s in gen if mine.get(n) != s)
-    shared = sum(math.prod(s) for n, s in gen if mine.get(n) == s)
+    # EP (hybrid.experts): every expert gathered at training TP first, into a buffer
+    gathered = sum(math.prod(s) for n, s in stage_params(cfg, lay.tp, lay.pp, pp_rank)
+                   if is_expert_param(n)) if lay.ep > 1 else 0
+    shared = sum(math.prod(s) for n, s in gen if mine.get(n) == s
+                 and not (gathered and is_expert_param(n)))
     members, buffers = lay.tp // g.gen_tp * lay.pp, 0
     if members > 1 and arena:               # two rotating buffers of one bucket at most
         cap = max(1, int(g.reshard_bucket_mb * 2**20) // e // members)
@@ -304,7 +317,8 @@ def reshard_memory(actor: RoleSpec, g: RolloutSpec,
         layers = {FUSED_LAYER[t] for t in actor.lora_targets}
         adapted = {n for n, _ in gen if n.endswith(".weight") and n.split(".")[-2] in layers}
         kept, arena = arena, sum(padded(s) for n, s in gen if n in adapted)
-    return arena * e, buffers * e, shared * actor.dtype.itemsize, kept * e
+    return arena * e, buffers * e + gathered * actor.dtype.itemsize, \
+        shared * actor.dtype.itemsize, kept * e
 
 
 

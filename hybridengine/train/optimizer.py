@@ -29,6 +29,14 @@ Buckets and ZeRO-1
     construction: build the optimizer after the weights are loaded. Buffers are fp32 for bf16 and
     fp32 parameters (on CPU the master is still a separate copy) and fp64 for fp64 parameters.
 
+Expert parameters (expert parallelism, parallel.layout)
+    An EP rank's experts are not replicated over DP but over its expert-data-parallel group
+    (dp·cp/ep replicas; their gradients already hold every rank's tokens, brought by the
+    all-to-all's backward): parameters with is_expert(name, p) go into buckets of their own,
+    reduced (and ZeRO-sharded) over `edp_group`, the rest over `dp_group`. grad_reduce="mean"
+    divides both by dp (a rank's expert gradient sums all dp ranks' tokens). In the grad norm the
+    expert part is also summed over `ep_group` (each EP rank holds different experts).
+
 step()
     grad norm = sqrt(Σ g²) over this rank's slice, summed over dp (ZeRO only: otherwise every DP
     rank holds the whole reduced gradient) and then over the model-parallel group; parameters for
@@ -43,7 +51,6 @@ step()
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,7 +59,8 @@ import torch
 from torch import nn
 
 from hybridengine.train.host_step import HostStep
-from hybridengine.train.lr_schedule import LRSchedule, first_error
+from hybridengine.train.lr_schedule import LRSchedule
+from hybridengine.train.optimizer_checks import check_args, check_layout
 from hybridengine.parallel.tensor import (all_gather_flat, all_reduce, group_rank, group_size,
                                           reduce_scatter_dim0)
 
@@ -85,6 +93,9 @@ class _Bucket:
     entries: list[_Entry]
     numel: int                          # padded to a multiple of dp
     grad: torch.Tensor                  # fp32 [numel]
+    group: object = None                # its replicas: dp, or expert-dp for expert buckets
+    sharded: bool = False               # ZeRO-1 over `group`
+    expert: bool = False
     shard_start: int = 0                # this rank's slice [shard_start, shard_start + shard_numel)
     shard_numel: int = 0
     master: torch.Tensor = None         # fp32 [shard_numel]
@@ -143,7 +154,8 @@ class DistributedOptimizer:
 
     params: (name, parameter) pairs of this rank's model shard, same order on every DP rank.
     dp_group / mp_group / tp_group: process groups (None = group of one); mp_group holds the tp·pp
-    ranks of one replica (grad norm); tp_group sums the grads of `sequence_parallel` parameters.
+    ranks of one replica (grad norm); tp_group sums the grads of `sequence_parallel` parameters;
+    is_expert / edp_group / ep_group: expert parameters and their groups (module docstring).
     """
 
     def __init__(self, params, dp_group=None, mp_group=None, tp_group=None, *,
@@ -151,9 +163,10 @@ class DistributedOptimizer:
                  eps: float = 1e-8, weight_decay: float = 0.01, grad_clip: float | None = 1.0,
                  use_distributed_optimizer: bool = True, bucket_mb: float | None = 40.0,
                  grad_reduce: str = "sum", count_in_grad_norm: ParamFilter | None = None,
-                 no_decay: ParamFilter | None = None, host_step: bool = False):
+                 no_decay: ParamFilter | None = None, host_step: bool = False,
+                 is_expert: ParamFilter | None = None, edp_group=None, ep_group=None):
         params = [(n, p) for n, p in params if p.requires_grad]
-        _check_args(params, betas, eps, weight_decay, grad_reduce)
+        check_args(params, betas, eps, weight_decay, grad_reduce)
         self.schedule = lr if isinstance(lr, LRSchedule) else LRSchedule(float(lr))
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.grad_clip, self.grad_reduce = grad_clip, grad_reduce
@@ -163,15 +176,23 @@ class DistributedOptimizer:
         self.num_steps = 0          # successful updates (Adam bias correction)
         self.schedule_step = 0      # LR schedule position, advanced by step_schedule()
         self._synced = False
-        num_shards = self.dp if self.zero else 1
-        self.buckets = _build_buckets(params, bucket_mb, num_shards,
-                                      count_in_grad_norm or (lambda n, p: True),
-                                      no_decay or default_no_decay)
+        self.ep_group = ep_group
+        expert = {n for n, p in params if is_expert is not None and is_expert(n, p)}
+        self.buckets = []
+        for part, group, is_exp in (([x for x in params if x[0] not in expert], dp_group, False),
+                                    ([x for x in params if x[0] in expert], edp_group, True)):
+            sharded = use_distributed_optimizer and group_size(group) > 1
+            built = _build_buckets(part, bucket_mb, group_size(group) if sharded else 1,
+                                   count_in_grad_norm or (lambda n, p: True),
+                                   no_decay or default_no_decay) if part else []
+            for b in built:
+                b.group, b.sharded, b.expert = group, sharded, is_exp
+            self.buckets += built
         self._sp_params = [p for _, p in params if getattr(p, "sequence_parallel", False)]
-        shard_rank = group_rank(dp_group) if self.zero else 0
         self.host_step = HostStep(self) if host_step else None
         for b in self.buckets:
-            self._init_bucket(b, num_shards, shard_rank)
+            self._init_bucket(b, group_size(b.group) if b.sharded else 1,
+                              group_rank(b.group) if b.sharded else 0)
             if self.host_step is not None:
                 self.host_step.adopt(b)     # state to the host bucket by bucket
         self._hooks = [self._attach(b, e) for b in self.buckets for e in b.entries]
@@ -237,21 +258,25 @@ class DistributedOptimizer:
         for b in self.buckets:
             if self.grad_reduce == "mean" and self.dp > 1:
                 b.grad.div_(self.dp)
-            if self.zero:
-                b.shard_grad.copy_(reduce_scatter_dim0(b.grad, self.dp_group))
+            if b.sharded:
+                b.shard_grad.copy_(reduce_scatter_dim0(b.grad, b.group))
             else:
-                all_reduce(b.grad, self.dp_group)
+                all_reduce(b.grad, b.group)
         self._synced = True
 
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradient over TP/PP/DP (counted parameters only)."""
         device = self.buckets[0].grad.device
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total, experts = (torch.zeros((), dtype=torch.float64, device=device) for _ in "de")
         for b in self.buckets:
             for v in b.norm_views:
-                total += torch.dot(v, v).double()
+                (experts if b.expert else total).add_(torch.dot(v, v).double())
         if self.zero:
             all_reduce(total, self.dp_group)
+        if any(b.expert for b in self.buckets):     # this EP rank's experts, then all of them
+            if any(b.sharded for b in self.buckets if b.expert):
+                all_reduce(experts, self.buckets[-1].group)
+            total += all_reduce(experts, self.ep_group)
         all_reduce(total, self.mp_group)
         return math.sqrt(total.item())
 
@@ -311,9 +336,9 @@ class DistributedOptimizer:
         for b, shard in zip(self.buckets, shards):
             dtype = b.entries[0].param.dtype
             full = shard        # without ZeRO the slice is the whole bucket
-            if self.zero:
+            if b.sharded:
                 full = torch.empty(b.numel, dtype=dtype, device=shard.device)
-                all_gather_flat(full, shard.to(dtype), self.dp_group)
+                all_gather_flat(full, shard.to(dtype), b.group)
             if full.dtype != dtype:
                 full = full.to(dtype)
             # One multi-tensor copy per bucket instead of a kernel launch per parameter.
@@ -351,7 +376,7 @@ class DistributedOptimizer:
         if (meta.get("zero"), meta.get("dp")) != (self.zero, self.dp):
             raise ValueError(f"optimizer checkpoint has zero={meta.get('zero')} dp={meta.get('dp')}"
                              f", this run zero={self.zero} dp={self.dp}: same layout required")
-        _check_layout(meta.get("buckets", []), self._layout())
+        check_layout(meta.get("buckets", []), self._layout())
         for i, b in enumerate(self.buckets):
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 name, dst = f"bucket{i}.{key}", getattr(b, key)
@@ -364,36 +389,3 @@ class DistributedOptimizer:
         self.num_steps, self.schedule_step = int(meta["num_steps"]), int(meta["schedule_step"])
         if publish:
             self.publish_params()
-
-
-def _check_layout(saved: list[dict], current: list[dict]) -> None:
-    """One-line error naming the first parameter whose place differs."""
-    def slots(layout):
-        return [(i, *p) for i, b in enumerate(layout) for p in b["params"]]
-    for a, b in itertools.zip_longest(slots(saved), slots(current)):
-        if a != b:
-            raise ValueError(f"optimizer checkpoint does not match the model: {_describe(a)} in "
-                             f"the checkpoint, {_describe(b)} now")
-    for i, (a, b) in enumerate(zip(saved, current)):
-        if a["shard_start"] != b["shard_start"]:
-            raise ValueError(f"optimizer checkpoint bucket {i} was saved by another DP rank "
-                             f"(shard_start {a['shard_start']} != {b['shard_start']})")
-
-
-def _describe(slot) -> str:
-    if slot is None:
-        return "nothing"
-    bucket, name, shape, start = slot
-    return f"{name} {shape} (bucket {bucket}, offset {start})"
-
-
-def _check_args(params, betas, eps, weight_decay, grad_reduce) -> None:
-    first_error([
-        (bool(params), "DistributedOptimizer got no trainable parameters"),
-        (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
-         f"optim.betas={tuple(betas)} must be two values in [0, 1)"),
-        (eps > 0, f"optim.eps={eps} must be > 0"),
-        (weight_decay >= 0, f"optim.weight_decay={weight_decay} must be >= 0"),
-        (grad_reduce in ("sum", "mean"), f"grad_reduce={grad_reduce!r} must be 'sum' or 'mean'"),
-        (len({n for n, _ in params}) == len({id(p) for _, p in params}) == len(params),
-         "DistributedOptimizer got a parameter twice (by name or by tensor)")])
