@@ -27,6 +27,12 @@ routes the same tokens the same way, so each sends the same rows, its experts' T
 their partial outputs, and the TP sum after the combine is the dense path's. The sync-free form
 (rollout) needs every expert: the generation model has no EP.
 
+The local experts run as two grouped GEMMs (torch._grouped_mm over the rows grouped by expert,
+the weights stacked per call; Megatron's GroupedMLP) where torch has the kernel for the dtype,
+device and widths (grouped_mm_runs), else one call per expert; without EP the grouped form needs
+no host synchronisation. The stacked copy of the expert weights lives until backward: ~2x the
+expert weights at peak (parameters stored stacked would avoid it).
+
 Router losses (training, off by default as in Megatron): the load-balancing loss and the z-loss
 per layer, their gradients started from the layer output (no path to the trainer's loss), their
 values summed for the step's metrics (actor/moe/*).
@@ -106,6 +112,7 @@ class MoEMLP(nn.Module):
                               device=device)
         nn.init.normal_(self.gate.weight, std=0.02)
         self.gate.weight.sequence_parallel = tp > 1
+        self.ffn_per_rank = ffn
         local = cfg.num_experts // ep
         self.experts = ExpertShard(range(group_rank(ep_group) * local,
                                          (group_rank(ep_group) + 1) * local),
@@ -190,19 +197,52 @@ class MoEMLP(nn.Module):
         routed = x[tokens]
         sent = dispatch(routed, counts, self.ep_group) if group_size(self.ep_group) > 1 \
             else None
-        rows, counts = (routed, counts.tolist()) if sent is None else \
-            (sent.rows, sent.expert_counts)
-        outs, start = [], 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                outs.append(expert(rows[start:start + n], self.act))
-            start += n
-        y = torch.cat(outs) if outs else rows[:0]
+        rows = routed if sent is None else sent.rows
+        if grouped_mm_runs(rows, self.ffn_per_rank):
+            # no host sync without EP: the group offsets stay on the device
+            counts = counts if sent is None else torch.tensor(sent.expert_counts,
+                                                              device=rows.device)
+            y = self._grouped(rows, torch.cumsum(counts, 0).to(torch.int32))
+        else:
+            y = self._loop(rows, counts.tolist() if sent is None else sent.expert_counts)
         if sent is not None:
             y = combine(y, sent)
         scale = weights.reshape(-1)[order].unsqueeze(-1)
         y = (y * scale).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+    def _loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows grouped by local expert, counts[e] of them each: one expert call per group."""
+        outs, start = [], 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                outs.append(expert(rows[start:start + n], self.act))
+            start += n
+        return torch.cat(outs) if outs else rows[:0]
+
+    def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The same as _loop in two grouped GEMMs (offsets: the groups' int32 ends): the local
+        experts' weights stacked [E, N, K] and read transposed (the column-major operand the
+        CUDA kernel takes); gradients flow back to each expert's own weights."""
+        gate_up = torch.stack([e.gate_up_proj.weight for e in self.experts])
+        down = torch.stack([e.down_proj.weight for e in self.experts])
+        h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
+        gate, up = h.split(h.shape[-1] // 2, dim=-1)
+        return torch._grouped_mm(self.act(gate) * up, down.transpose(-2, -1), offs=offsets)
+
+
+def grouped_mm_runs(x: torch.Tensor, ffn: int) -> bool:
+    """Whether torch's grouped GEMM takes x [rows, hidden] into experts of ffn units: CPU in
+    fp32/bf16, CUDA in bf16 on sm90 and newer (its CUTLASS kernel), rows of both widths 16-byte
+    aligned; float64 (the gradient tests), odd widths and older GPUs take the loop."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if (x.shape[-1] * x.element_size()) % 16 or (ffn * x.element_size()) % 16 or not ffn:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu"
 
 
 class _AddLossGradient(torch.autograd.Function):
