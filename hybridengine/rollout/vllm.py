@@ -221,6 +221,8 @@ class VllmRollout:
             raise ValueError("weight_sync='handoff' needs the gen-TP group to be vLLM's TP group "
                              "(consecutive ranks in rank order)")
         with torch.no_grad(), _num_threads(self.num_threads):
+            if self.cpu and self.cfg.num_experts:
+                self.llm.collective_rpc(_moe_reload_as_first_load)
             stream = weights(stats, handoff, _vllm_vocab_rows(self.cfg.vocab_size, self.gen_tp))
             self.llm.collective_rpc("reload_weights", kwargs=dict(
                 weights_iterator=stream, is_checkpoint_format=True))
@@ -355,6 +357,17 @@ def _refresh_tied_head(worker) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def _moe_reload_as_first_load(worker) -> None:
+    """Run on each vLLM worker before an MoE model's reload on CPU. vLLM 0.32 takes a reload of
+    unquantized experts for an update of kernel-format weights (UnquantizedFusedMoEMethod.
+    _setup_kernel, moe_kernel set) and skips the CPU experts' pad + prepack: the new weights would
+    land unpacked in the packed buffers. Without the kernel it takes the first load's path."""
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None and hasattr(module, "w13_weight"):
+            method.moe_kernel = None
+
+
 def check_model(cfg: ModelConfig) -> None:
     """Models vLLM would run differently from the Decoder, or not at all on this platform: one
     clear error (call it before anything expensive)."""
@@ -370,6 +383,12 @@ def check_model(cfg: ModelConfig) -> None:
             raise ValueError(f"vLLM's CPU attention supports head_dim in {sizes}; the model has "
                              f"head_dim={cfg.head_dim} (use actor_rollout_ref.rollout.name="
                              f"builtin)")
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        align = CPUUnquantizedExperts.output_alignment       # its portable grouped-GEMM kernel
+        if cfg.num_experts and cfg.hidden_size % align:
+            raise ValueError(f"vLLM's CPU MoE kernel needs hidden_size divisible by {align}; the "
+                             f"model has hidden_size={cfg.hidden_size} (use "
+                             f"actor_rollout_ref.rollout.name=builtin)")
 
 
 def _cpu_kv_bytes(cfg: ModelConfig, gen_tp: int, dtype, max_num_seqs: int,
