@@ -82,8 +82,8 @@ def gsm8k_setup(tmp_path_factory):
 
 
 # The default job (2 ranks), 4 steps with checkpoints at 2 and 4: the uninterrupted reference of
-# the two kill -9 tests (tests/test_ppo_e2e.py: kill, then resume_mode=auto; tests/test_faults.py:
-# torchrun's restart). Their interrupted runs take these arguments too.
+# the kill -9 test (tests/test_faults.py: torchrun's restart, resume_mode=auto), whose interrupted
+# run takes these arguments too; tests/test_ppo_e2e.py loads its checkpoint in transformers.
 RESUME_ARGS = ["trainer.total_training_steps=4", "trainer.save_freq=2",
                "trainer.val_before_train=False", "trainer.test_freq=-1",
                "data.max_response_length=16"]
@@ -104,3 +104,58 @@ def uninterrupted_run(tmp_path_factory):
                           timeout=600)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return out, list(RESUME_ARGS)
+
+
+# The embedded default job (2 ranks: actor tp=2, generation tp=1), 6 steps, validation before
+# training and at step 6: tests/test_ppo_e2e.py checks that it learns, tests/test_console.py
+# reads its stdout (one run instead of a 6-step and a 2-step one).
+DEFAULT_JOB_ARGS = ["trainer.total_training_steps=6", "trainer.test_freq=6"]
+
+
+@pytest.fixture(scope="session")
+def default_job_run(tmp_path_factory):
+    """(output folder, stdout lines) of the default job with DEFAULT_JOB_ARGS."""
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+    out = tmp_path_factory.mktemp("default_job")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+           str(free_port()), os.path.join(ROOT, "launch", "ppo.py"),
+           f"trainer.default_local_dir={out}", *DEFAULT_JOB_ARGS]
+    env = {k: v for k, v in JOB_ENV.items() if k != "HYBRIDENGINE_CONSOLE"}   # the short lines
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return out, proc.stdout.splitlines()
+
+
+# One tools/bench_ppo.py --tiny run (1 step, profiled, grads and optimizer offloaded):
+# tests/test_profiling.py checks its per-phase profile and offload timing, tests/test_bench_ppo.py
+# its memory plan beside the measured peak (which the profile and offload leave in the JSON).
+BENCH_PPO_TINY = ["--tiny", "--steps", "1", "--warmup", "0", "--profile", "--offload",
+                  "grads,optimizer", "--set", "data.max_response_length=8"]
+
+
+@pytest.fixture(scope="session")
+def bench_ppo_tiny():
+    """(returncode, stderr, JSON output or None) of tools/bench_ppo.py BENCH_PPO_TINY."""
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_ppo.py"),
+                           *BENCH_PPO_TINY], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", HYBRIDENGINE_NO_PROGRESS="1"))
+    return proc.returncode, proc.stderr, json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+@pytest.fixture(scope="session")
+def family_interpreter_checks():
+    """The two model-family check scripts of Triton's interpreter (tests/test_model_families.py:
+    qk norm and llama3 RoPE; tests/test_model_families_gemma.py: Gemma 3's windowed layers), run
+    at once, one core each: {module name: subprocess.CompletedProcess}."""
+    import test_model_families
+    import test_model_families_gemma
+    from test_rollout import interpreter_results
+    return interpreter_results({"test_model_families": test_model_families.TRITON_FAMILY_CHECK,
+                                "test_model_families_gemma":
+                                    test_model_families_gemma.TRITON_MIXED_CHECK})

@@ -639,31 +639,62 @@ def _env(**extra):
     return env
 
 
-def _cli(*args, **env):
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "ppo.py"), *args], cwd=ROOT,
-                          env=_env(**env), capture_output=True, text=True, timeout=120)
+TRACEBACK_VALUES = [("0", False), ("1", True), ("YES", True)]
 
 
-def test_cli_bad_config_is_one_line_exit_2():
-    proc = _cli("trainer.total_trainig_steps=2")
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """The launch/ppo.py runs of the command-line tests below (Ctrl-C's too), started at once, two
+    at a time (proc_utils: each is one thread); cli.result(name) waits for one. The missing
+    reward file (cli.missing_reward) and the Ctrl-C run's output (cli.ctrl_c_dir) sit in folders
+    of their own."""
+    from proc_utils import Launches
+    missing = tmp_path_factory.mktemp("cli_missing_reward") / "reward.py"
+    runs = {
+        "bad_config": (["trainer.total_trainig_steps=2"], {}),
+        "missing_reward": (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                            f"custom_reward_function.path={missing}"], {}),
+        "every_error": (["trainer.total_trainig_steps=2", "data.train_batch_size=x", "nonsense",
+                         f"actor_rollout_ref.model.path={STORIES}"], {}),
+        **{f"traceback_{value}": (["trainer.total_trainig_steps=2"],
+                                  {"HYBRIDENGINE_TRACEBACK": value})
+           for value, _ in TRACEBACK_VALUES},
+        "layers_model_path": ([f"actor_rollout_ref.model.path={STORIES}",
+                               "data.train_batch_size=4"], {}),
+        "layers_with_errors": (["--config", str(ROOT / "configs" / "grpo.yaml"),
+                                "trainer.total_trainig_steps=1"], {}),
+    }
+    launches = Launches()
+    # the longest first (balances the two at a time): test_ctrl_c_names_the_latest_checkpoint_
+    # exit_130's run, then a run that gets as far as the data
+    launches.ctrl_c_dir = tmp_path_factory.mktemp("cli_ctrl_c")
+    launches.call("ctrl_c", _ctrl_c_run, launches.ctrl_c_dir)
+    for name, (args, env) in sorted(runs.items(), key=lambda kv: kv[0] != "layers_model_path"):
+        launches.start(name, [sys.executable, str(ROOT / "launch" / "ppo.py"), *args], cwd=ROOT,
+                       env=_env(**env), timeout=120)
+    launches.missing_reward = missing
+    yield launches
+    launches.close()
+
+
+def test_cli_bad_config_is_one_line_exit_2(cli):
+    proc = cli.result("bad_config")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "error: unknown config key 'trainer.total_trainig_steps' (nearest known key: "
         "'trainer.total_training_steps')"]
 
 
-def test_cli_missing_reward_file_is_one_line_exit_2(tmp_path):
-    proc = _cli("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-                f"custom_reward_function.path={tmp_path / 'reward.py'}")
+def test_cli_missing_reward_file_is_one_line_exit_2(cli):
+    proc = cli.result("missing_reward")
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == \
-        f"error: custom reward file not found: {tmp_path / 'reward.py'}"
+        f"error: custom reward file not found: {cli.missing_reward}"
     assert "Traceback" not in proc.stderr
 
 
-def test_cli_says_every_config_error_at_once():
-    proc = _cli("trainer.total_trainig_steps=2", "data.train_batch_size=x", "nonsense",
-                f"actor_rollout_ref.model.path={STORIES}")
+def test_cli_says_every_config_error_at_once(cli):
+    proc = cli.result("every_error")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "error: argument 'nonsense' is not a key=value override",
@@ -672,41 +703,50 @@ def test_cli_says_every_config_error_at_once():
         "error: data.train_batch_size='x': expected an integer, got str"]
 
 
-@pytest.mark.parametrize("value, shown", [("0", False), ("1", True), ("YES", True)])
-def test_cli_traceback_only_when_asked(value, shown):
-    proc = _cli("trainer.total_trainig_steps=2", HYBRIDENGINE_TRACEBACK=value)
+@pytest.mark.parametrize("value, shown", TRACEBACK_VALUES)
+def test_cli_traceback_only_when_asked(cli, value, shown):
+    proc = cli.result(f"traceback_{value}")
     assert proc.returncode == 2
     assert ("Traceback (most recent call last)" in proc.stderr) == shown
     assert proc.stderr.splitlines()[-1].startswith("error: unknown config key")
 
 
-def test_cli_says_which_config_layers_are_in_force(tmp_path):
+def test_cli_says_which_config_layers_are_in_force(cli):
     """A model path alone leaves the default job: the first line says what is in force."""
-    proc = _cli(f"actor_rollout_ref.model.path={STORIES}", "data.train_batch_size=4")
+    proc = cli.result("layers_model_path")
     assert proc.stdout.splitlines()[0] == (
         "config: defaults (configs/ppo_trainer.yaml) + 2 command-line overrides (not the default "
         "job: configs/tiny.yaml applies only without --config and model path)")
-    proc = _cli("--config", str(ROOT / "configs" / "grpo.yaml"), "trainer.total_trainig_steps=1")
+    proc = cli.result("layers_with_errors")
     assert proc.returncode == 2 and proc.stdout == ""   # an argv with errors says only those
 
 
-def test_ctrl_c_names_the_latest_checkpoint_exit_130(tmp_path):
+def _ctrl_c_run(out_dir):
+    """launch/ppo.py interrupted (SIGINT) once its first checkpoint is there: (its exit code,
+    stderr)."""
     import signal
     import time
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "launch" / "ppo.py"),
          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "trainer.save_freq=1",
          "trainer.val_before_train=False", "trainer.test_freq=-1", "data.max_response_length=8",
-         f"trainer.default_local_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True,
+         f"trainer.default_local_dir={out_dir}"], cwd=ROOT, env=_env(), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    pointer = tmp_path / "latest_checkpointed_iteration.txt"
+    pointer = out_dir / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 120
     while not pointer.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-3000:]
-    step = pointer.read_text()
+    return proc.returncode, err
+
+
+def test_ctrl_c_names_the_latest_checkpoint_exit_130(cli):
+    """The run: _ctrl_c_run, in the cli fixture's pool."""
+    returncode, err = cli.result("ctrl_c")
+    tmp_path = cli.ctrl_c_dir
+    assert returncode == 130, err[-3000:]
+    step = (tmp_path / "latest_checkpointed_iteration.txt").read_text()
     assert err.splitlines() == [f"interrupted; latest checkpoint global_step_{step} in {tmp_path} "
                                 f"(trainer.resume_mode=auto resumes from it)"]
 

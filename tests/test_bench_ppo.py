@@ -1,18 +1,11 @@
 """tools/bench_ppo.py: its --model shapes are Qwen2.5's (no weights written), and a --tiny run's
 JSON puts the memory plan beside the measured peak."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from hybridengine.models.hf import read_model_config
 from tool_utils import load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
 bench = load_tool("bench_ppo")
 
 
@@ -32,14 +25,11 @@ def test_model_choices_are_qwen2_5_shapes(tmp_path, size, billions):
     assert abs(cfg.num_params() / 1e9 - billions) < 0.02 * billions, cfg.num_params()
 
 
-def test_tiny_run_reports_the_memory_plan():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_ppo.py"), "--tiny", "--steps", "1",
-         "--warmup", "0", "--set", "data.max_response_length=8"],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1", HYBRIDENGINE_NO_PROGRESS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+def test_tiny_run_reports_the_memory_plan(bench_ppo_tiny):
+    """conftest.bench_ppo_tiny: the --tiny 1-step run tests/test_profiling.py profiles (with grads
+    and optimizer offloaded: the plan is reported all the same)."""
+    returncode, stderr, out = bench_ppo_tiny
+    assert returncode == 0, stderr[-3000:]
     plan = out["plan"]
     assert plan["peak_gb"] > 0 and plan["peak_phase"] and plan["kv_slots"] == 128
     # the CPU reports no allocated peak, so there is nothing to divide

@@ -80,11 +80,11 @@ def _step_lines(lines):
 
 
 @pytest.mark.multiproc
-def test_default_job_console(tmp_path):
-    """The embedded default job (2 ranks), 2 steps: the header once, then one short line per
-    step with its progress and ETA, then the summary; every metric is in metrics.jsonl."""
-    lines = _launch([f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2"],
-                    nproc=2)
+def test_default_job_console(default_job_run):
+    """The embedded default job (2 ranks), 6 steps (conftest.default_job_run, the run
+    tests/test_ppo_e2e.py checks learns): the header once, then one short line per step with its
+    progress and ETA, then the summary; every metric is in metrics.jsonl."""
+    tmp_path, lines = default_job_run
     header = lines[:lines.index("start      fresh") + 1]
     rows = {line.split()[0]: line[11:] for line in header}
     assert rows["run"] == "hybridengine/tiny_stories_keywords"
@@ -94,19 +94,19 @@ def test_default_job_console(tmp_path):
                               "ref tp=2+sp pp=1 dp=1")
     assert rows["algorithm"].startswith("grpo, 16 prompts x 8 responses per step, KL loss")
     assert rows["data"].startswith("96 train prompts, 32 val prompts")
-    assert rows["steps"].startswith("2 (6 per epoch)") and rows["output"] == str(tmp_path)
+    assert rows["steps"].startswith("6 (6 per epoch)") and rows["output"] == str(tmp_path)
     assert sum(line.startswith("run ") for line in lines) == 1      # rank 0 only
     steps = _step_lines(lines)
-    assert [line.split()[1] for line in steps] == ["0/2", "1/2", "2/2"]
+    assert [line.split()[1] for line in steps] == [f"{i}/6" for i in range(7)]
     for line in steps[1:]:
         assert len(line) < MAX_LINE, line
         for field in ("score", "len", "clip", "kl", "tok/s/dev", " s  eta "):
             assert field in line, (field, line)
-    assert steps[2].endswith(tuple(f"val {v / 1000:.3f}" for v in range(1001)))
+    assert steps[6].endswith(tuple(f"val {v / 1000:.3f}" for v in range(1001)))
     assert not any(line.startswith("step:") for line in lines)     # verl's long line is off
     record = read_metrics(tmp_path / "metrics.jsonl")[1]            # ... all in metrics.jsonl
     assert record["step"] == 1 and len(record) > 40 and "actor/pg_loss" in record
-    assert lines[-3].startswith("done: steps 1-2 in ")
+    assert lines[-3].startswith("done: steps 1-6 in ")
     assert lines[-2:] == [f"metrics: {tmp_path / 'metrics.jsonl'}", f"checkpoints: {tmp_path}"]
 
 

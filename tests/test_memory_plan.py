@@ -344,23 +344,27 @@ def test_offloaded_actor_weights_during_generation_are_the_shared_ones():
 # --- in a run: preflight refuses what cannot fit, the trainer prints the plan ---------------------
 
 def test_a_run_that_cannot_fit_its_device_budget_exits_2_with_one_line(tmp_path):
-    import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, str(root / "launch" / "ppo.py"), "trainer.total_training_steps=1",
            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-           "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'run'}"]
+           "trainer.val_before_train=false"]
     env = {**os.environ, "HYBRIDENGINE_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-    small = subprocess.run(cmd + ["trainer.device_memory_gb=0.01"], capture_output=True, text=True,
-                           env=env, timeout=300)
+    from proc_utils import Launches
+    launches = Launches()            # both runs at once (one thread each), own output folders
+    try:
+        for name, gb in (("small", 0.01), ("ok", 4)):
+            launches.start(name, cmd + [f"trainer.default_local_dir={tmp_path / name}",
+                                        f"trainer.device_memory_gb={gb}"], env=env, timeout=300)
+        small, ok = launches.result("small"), launches.result("ok")
+    finally:
+        launches.close()
     errors = [ln for ln in small.stderr.splitlines() if ln.startswith("error: ")]
     assert small.returncode == 2, small.stderr[-2000:]
     assert len(errors) == 1 and errors[0].startswith("error: memory plan: update_actor needs "), \
         small.stderr[-2000:]
     assert "but the device has 0.01 GiB" in errors[0]
-    assert not (tmp_path / "run").exists()               # refused before anything was written
-    ok = subprocess.run(cmd + ["trainer.device_memory_gb=4"], capture_output=True, text=True,
-                        env=env, timeout=300)
+    assert not (tmp_path / "small").exists()             # refused before anything was written
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "memory plan (GiB per rank, the heaviest rank of each phase, device budget 4.0 GiB)" \
         in ok.stdout

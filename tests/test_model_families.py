@@ -20,7 +20,7 @@ from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from model_utils import rel_err, save_cases
-from test_rollout import TRITON_MATCHES_SDPA, _run_in_triton_interpreter
+from test_rollout import TRITON_MATCHES_SDPA, assert_printed_ok
 
 VOCAB = 97
 LENGTHS = [7, 40, 13]         # positions up to 39: past original_max_position_embeddings = 16
@@ -256,7 +256,9 @@ max_model_len, max_tokens = 64, 12
 """ + TRITON_MATCHES_SDPA
 
 
-def test_fused_triton_decode_with_qk_norm_and_llama3_rope_in_the_interpreter():
+def test_fused_triton_decode_with_qk_norm_and_llama3_rope_in_the_interpreter(
+        family_interpreter_checks):
     """The fused decode kernel rotates the q / k that the model already normed, with the
-    scaled tables: greedy tokens and log-probs as on SDPA."""
-    _run_in_triton_interpreter(TRITON_FAMILY_CHECK)
+    scaled tables: greedy tokens and log-probs as on SDPA. (conftest.family_interpreter_checks
+    runs this script beside tests/test_model_families_gemma.py's.)"""
+    assert_printed_ok(family_interpreter_checks["test_model_families"])

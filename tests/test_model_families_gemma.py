@@ -209,9 +209,10 @@ max_model_len, max_tokens = 64, 8
 """ + TRITON_MATCHES_SDPA
 
 
-def test_fused_triton_decode_beside_windowed_layers_in_the_interpreter():
+def test_fused_triton_decode_beside_windowed_layers_in_the_interpreter(family_interpreter_checks):
     """Gemma 3 under the triton backend: its full layer through the fused RoPE + cache write +
     attention kernel, its sliding layer through the masked torch path over the same cache;
-    greedy tokens and log-probs as on SDPA."""
-    from test_rollout import _run_in_triton_interpreter
-    _run_in_triton_interpreter(TRITON_MIXED_CHECK)
+    greedy tokens and log-probs as on SDPA. (conftest.family_interpreter_checks runs this script
+    beside tests/test_model_families.py's.)"""
+    from test_rollout import assert_printed_ok
+    assert_printed_ok(family_interpreter_checks["test_model_families_gemma"])

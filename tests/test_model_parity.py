@@ -38,11 +38,11 @@ def _hf_reference(hf, seqs, padded, mask):
 
 def _parity_worker(rank, world, dirs):
     seqs, padded, mask = _inputs()
+    # the Hugging Face references do not depend on the layout: computed once per model
+    refs = [_hf_reference(tiny_hf_model(kind, tied), seqs, padded, mask) for kind, tied in MODELS]
     for layout in LAYOUTS:
         mesh = build_mesh(layout)
-        for (kind, tied), d in zip(MODELS, dirs):
-            hf = tiny_hf_model(kind, tied)
-            separate, padded_ref = _hf_reference(hf, seqs, padded, mask)
+        for (kind, tied), d, (separate, padded_ref) in zip(MODELS, dirs, refs):
             for sp in (False, True):
                 model = load_decoder(d, mesh, sequence_parallel=sp)
                 tag = f"{kind} tied={tied} tp={layout.tp} sp={sp}"

@@ -114,10 +114,15 @@ def _training_metrics(path):
             for r in read_metrics(path / "metrics.jsonl")]
 
 
+def _fit_plain_then_offloaded(rank, world, tmp):
+    """Both runs in the same two ranks (one start-up of the processes): fresh Trainers."""
+    _fit(rank, world, f"{tmp}/plain", [])
+    _fit(rank, world, f"{tmp}/offload", OFFLOAD_ALL)
+
+
 @pytest.mark.multiproc
 def test_offloading_every_part_trains_identically(tmp_path):
-    run_dist(_fit, 2, str(tmp_path / "plain"), [])
-    run_dist(_fit, 2, str(tmp_path / "offload"), OFFLOAD_ALL)
+    run_dist(_fit_plain_then_offloaded, 2, str(tmp_path))
     plain, off = tmp_path / "plain", tmp_path / "offload"
     assert _training_metrics(plain) == _training_metrics(off)
     assert "timing_s/offload" in read_metrics(off / "metrics.jsonl")[0]

@@ -1,5 +1,6 @@
 """End to end: the embedded default job learns; the seed's verl command, GRPO and DAPO run on
-GSM8K with a tiny random Qwen2; checkpoints load in transformers; kill -9 + resume is exact."""
+GSM8K with a tiny random Qwen2; checkpoints load in transformers (kill -9 + resume is exact:
+tests/test_faults.py)."""
 import os
 import subprocess
 import sys
@@ -52,15 +53,50 @@ CPU_SIZES = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_
              "actor_rollout_ref.rollout.max_num_seqs=64", "trainer.save_freq=-1"]
 
 
-def test_seed_command_ppo_runs_two_steps(gsm8k_setup):
-    out = gsm8k_setup / "ppo"
+def _gsm8k_args(out):
+    """{run: its launch/ppo.py arguments} of the three GSM8K runs below."""
     # 4 prompts (the 152k vocabulary costs seconds per forward on the CPU)
-    _launch(SEED_COMMAND + CPU_SIZES + ["algorithm.use_kl_in_reward=True", "trainer.save_freq=2",
-                                        "data.train_batch_size=4",
-                                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                                        "critic.ppo_micro_batch_size_per_gpu=2",
-                                        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                                        f"trainer.default_local_dir={out}"], cwd=gsm8k_setup)
+    runs = {"ppo": SEED_COMMAND + CPU_SIZES + [
+        "algorithm.use_kl_in_reward=True", "trainer.save_freq=2", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"trainer.default_local_dir={out / 'ppo'}"]}
+    for algo in ("grpo", "dapo"):
+        # GRPO trains on every step: 4 prompts x 2 (a 152k vocabulary costs seconds per forward
+        # on the CPU); DAPO (4 prompts x 4): its filter drops this random model's uniform
+        # groups, so it trains little
+        extra = ["actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2"] if algo == "grpo" else \
+            ["actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+             "reward_model.overlong_buffer.len=8", "algorithm.filter_groups.max_num_gen_batches=2"]
+        runs[algo] = SEED_COMMAND + CPU_SIZES + [
+            "--config", str(ROOT / "configs" / f"{algo}.yaml"),
+            f"trainer.default_local_dir={out / algo}", *extra]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def gsm8k_runs(gsm8k_setup):
+    """The three one-process GSM8K runs, started at once, two at a time (tests/proc_utils.py:
+    each is one thread); gsm8k_runs(name) waits for one and fails as _launch would."""
+    from proc_utils import Launches
+    launches = Launches()
+    for name, args in _gsm8k_args(gsm8k_setup).items():
+        launches.start(name, [sys.executable, str(ROOT / "launch" / "ppo.py"), *args],
+                       cwd=gsm8k_setup, env=ENV, timeout=600)
+
+    def result(name):
+        proc = launches.result(name)
+        if proc.returncode != 0:
+            raise AssertionError(f"{proc.args} failed:\n{proc.stdout[-3000:]}\n"
+                                 f"{proc.stderr[-5000:]}")
+        return gsm8k_setup / name
+    yield result
+    launches.close()
+
+
+def test_seed_command_ppo_runs_two_steps(gsm8k_runs):
+    out = gsm8k_runs("ppo")
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2]
     keys = set().union(*rows)
@@ -76,62 +112,34 @@ def test_seed_command_ppo_runs_two_steps(gsm8k_setup):
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dapo"])
-def test_grpo_and_dapo_run_two_steps(gsm8k_setup, algo):
-    out = gsm8k_setup / algo
-    # GRPO trains on every step: 4 prompts x 2 (a 152k vocabulary costs seconds per forward on
-    # the CPU); DAPO (4 prompts x 4): its filter drops this random model's uniform groups, so it
-    # trains little
-    extra = ["actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=2"] if algo == "grpo" else \
-        ["actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
-         "reward_model.overlong_buffer.len=8", "algorithm.filter_groups.max_num_gen_batches=2"]
-    _launch(SEED_COMMAND + CPU_SIZES + ["--config", str(ROOT / "configs" / f"{algo}.yaml"),
-                                        f"trainer.default_local_dir={out}", *extra],
-            cwd=gsm8k_setup)
+def test_grpo_and_dapo_run_two_steps(gsm8k_runs, algo):
+    out = gsm8k_runs(algo)
     rows = read_metrics(out / "metrics.jsonl")
     assert max(r["step"] for r in rows) == 2
     assert any("timing_s/step" in r or "train/num_gen_batches" in r for r in rows)
 
 
 @pytest.mark.multiproc
-def test_default_job_learns_shortened(tmp_path):
-    """The embedded default job (2 ranks: actor tp=2, generation tp=1), 6 steps."""
-    _launch([f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=6",
-             "trainer.test_freq=6"], nproc=2)
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+def test_default_job_learns_shortened(default_job_run):
+    """The embedded default job (2 ranks: actor tp=2, generation tp=1), 6 steps
+    (conftest.default_job_run, whose console tests/test_console.py reads)."""
+    out, _ = default_job_run
+    rows = read_metrics(out / "metrics.jsonl")
     val = {r["step"]: r["val/reward/mean"] for r in rows if "val/reward/mean" in r}
     assert val[6] > val[0] + 0.15, val
 
 
-def _strip(rows):
-    """Training metrics only: wall-clock times and process memory differ between any two runs."""
-    return [{k: v for k, v in r.items()
-             if not k.startswith(("timing_s/", "perf/")) and "memory" not in k} for r in rows]
-
-
 @pytest.mark.multiproc
-def test_kill9_then_resume_matches_uninterrupted_and_hf_loads(tmp_path, uninterrupted_run):
-    # the uninterrupted run (conftest.uninterrupted_run) is tests/test_faults.py's reference too
-    a_dir, args = uninterrupted_run
-    killed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-         str(29600 + os.getpid() % 1000), str(ROOT / "launch" / "ppo.py"), *args,
-         f"trainer.default_local_dir={tmp_path / 'b'}"],
-        cwd=ROOT, env=dict(ENV, HYBRIDENGINE_KILL_AT_STEP="3"), capture_output=True, text=True,
-        timeout=600)
-    assert killed.returncode != 0
-    assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    _launch(args + [f"trainer.default_local_dir={tmp_path / 'b'}", "trainer.resume_mode=auto"],
-            nproc=2)
-    a = read_metrics(a_dir / "metrics.jsonl")
-    b = read_metrics(tmp_path / "b" / "metrics.jsonl")
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert _strip(a) == _strip(b)
+def test_uninterrupted_checkpoint_loads_in_hf_and_trained(uninterrupted_run):
+    """The uninterrupted 4-step run (conftest.uninterrupted_run). Its kill -9 + resume_mode=auto
+    counterpart is tests/test_faults.py::test_kill9_under_torchrun_restarts_resumes_and_matches_
+    uninterrupted: rank 0 killed at step 3 of the same arguments, the group started again with
+    resume_mode=auto (the default), resumed from global_step_2, every step logged once, metrics
+    and global_step_4's actor weights and optimizer state equal to this run's (this module ran
+    the same kill and resume as a second torchrun launch: the same check, once more)."""
+    a_dir, _ = uninterrupted_run
     from safetensors.torch import load_file
-    for f in ("model-00001-of-00001.safetensors",):
-        ta = load_file(str(a_dir / "global_step_4" / "actor" / f))
-        tb = load_file(str(tmp_path / "b" / "global_step_4" / "actor" / f))
-        assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    ta = load_file(str(a_dir / "global_step_4" / "actor" / "model-00001-of-00001.safetensors"))
     # The checkpoint is a complete HF model: transformers loads it and gives our logits.
     from transformers import AutoModelForCausalLM
     from hybridengine.models.attention import PackedInput

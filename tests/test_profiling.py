@@ -1,17 +1,10 @@
 """tools/profiling.py charges work to the innermost named range; bench_ppo --profile reports
 every phase of a real step."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tool_utils import load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
 _tool = load_tool("profiling")  # tools/profiling.py
 category, kernel_table, owner_at, timeline = _tool.category, _tool.kernel_table, _tool.owner_at, _tool.timeline
 
@@ -51,15 +44,11 @@ def test_kernel_categories():
     assert category("triton_poi_fused_silu_mul_0") == "other"
 
 
-def test_bench_ppo_profiles_every_phase_with_offload():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_ppo.py"), "--tiny", "--steps", "1",
-         "--warmup", "0", "--profile", "--offload", "grads,optimizer",
-         "--set", "data.max_response_length=8"],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1", HYBRIDENGINE_NO_PROGRESS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+def test_bench_ppo_profiles_every_phase_with_offload(bench_ppo_tiny):
+    """conftest.bench_ppo_tiny: --tiny --steps 1 --warmup 0 --profile --offload grads,optimizer
+    (tests/test_bench_ppo.py reads the same run's memory plan)."""
+    returncode, stderr, out = bench_ppo_tiny
+    assert returncode == 0, stderr[-3000:]
     assert {"decode", "prefill", "old_log_prob", "ref", "update_actor"} <= out["profile"].keys()
     assert out["profile"]["update_actor"]["by_category_ms"]["gemm"] > 0
     assert out["mean"]["timing_s/offload"] > 0 and out["offload"] == "grads,optimizer"

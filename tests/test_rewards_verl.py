@@ -795,23 +795,29 @@ def test_gsm8k_tool_rows_are_verls(tmp_path):
 
 def test_math_tool_rows_are_verls(tmp_path):
     import pyarrow.parquet as pq
-    import subprocess
     import sys
-    src = tmp_path / "in"
+    from proc_utils import Launches
+    src, bad = tmp_path / "in", tmp_path / "bad"
     src.mkdir()
+    bad.mkdir()
     problems = [{"problem": "What is $1+1$?", "solution": r"$1+1=\boxed{2}$."},
                 {"problem": "Half?", "solution": r"It is $\boxed{\frac{1}{2}}$, i.e. \boxed{0.5}."}]
     (src / "test.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems))
-    out = tmp_path / "out"
-    subprocess.run([sys.executable, str(TOOLS / "math_dataset.py"), "--input_dir", str(src),
-                    "--local_dir", str(out)], check=True, capture_output=True)
+    (bad / "test.jsonl").write_text(json.dumps({"problem": "p", "solution": "no box"}) + "\n")
+    launches = Launches()           # both runs at once (one thread each), own folders
+    try:
+        for name, folder in (("good", src), ("bad", bad)):
+            launches.start(name, [sys.executable, str(TOOLS / "math_dataset.py"), "--input_dir",
+                                  str(folder), "--local_dir", str(tmp_path / f"out_{name}")])
+        good, run = launches.result("good"), launches.result("bad")
+    finally:
+        launches.close()
+    good.check_returncode()
+    out = tmp_path / "out_good"
     rows = pq.read_table(out / "test.parquet").to_pylist()
     assert [r["data_source"] for r in rows] == ["DigitalLearningGmbH/MATH-lighteval"] * 2
     assert [r["reward_model"]["ground_truth"] for r in rows] == ["2", "0.5"]
     assert rows[0]["prompt"][0]["content"] == (
         "What is $1+1$? Let's think step by step and output the final answer within \\boxed{}.")
     assert rows[1]["extra_info"] == {"split": "test", "index": 1}
-    (src / "test.jsonl").write_text(json.dumps({"problem": "p", "solution": "no box"}) + "\n")
-    run = subprocess.run([sys.executable, str(TOOLS / "math_dataset.py"), "--input_dir", str(src),
-                          "--local_dir", str(out)], capture_output=True, text=True)
     assert run.returncode != 0 and "test.jsonl:1: not a MATH" in run.stderr

@@ -512,6 +512,36 @@ def _run_in_triton_interpreter(*scripts: str) -> None:
                 err.close()
 
 
+def interpreter_results(scripts: dict[str, str]) -> dict:
+    """Each check script (as _run_in_triton_interpreter runs it) in a fresh process, two at a
+    time (the interpreter is single-threaded; CI has 2 cores), in the order given (the longest
+    first balances the two); returns once all ended: {name: subprocess.CompletedProcess}."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {name: pool.submit(subprocess.run, [sys.executable, "-c", script],
+                                  capture_output=True, text=True, env=env, timeout=300)
+                for name, script in scripts.items()}
+        return {name: job.result() for name, job in jobs.items()}
+
+
+def assert_printed_ok(proc) -> None:
+    """A check script of interpreter_results held every assertion (it printed "ok")."""
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def interpreter_checks():
+    """This module's five interpreter check scripts, run once, two at a time, the longest
+    first (instead of one test at a time, where three of them ran alone on one core)."""
+    return interpreter_results({"sampler_draws": SAMPLER_DRAWS_CHECK, "sampler": SAMPLER_CHECK,
+                                "decode": TRITON_CHECK, "settings": SETTINGS_CHECK,
+                                "kv_write": KV_WRITE_CHECK})
+
+
 # The tail of an interpreter check script that defined `model`, `prompts`, `max_model_len` and
 # `max_tokens`: greedy tokens and log-probs of the engine on the triton backend as on SDPA.
 TRITON_MATCHES_SDPA = """
@@ -587,10 +617,10 @@ max_model_len, max_tokens = 96, 12
 """ + TRITON_MATCHES_SDPA
 
 
-def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
+def test_triton_decode_attention_matches_sdpa_in_the_interpreter(interpreter_checks):
     """The Triton split-KV kernel (several splits, empty ones included) against grouped SDPA,
     run by Triton's CPU interpreter (bf16 is checked on the GPU: the interpreter lacks it)."""
-    _run_in_triton_interpreter(TRITON_CHECK)
+    assert_printed_ok(interpreter_checks["decode"])
 
 
 KV_WRITE_CHECK = """
@@ -627,10 +657,10 @@ print("ok")
 """
 
 
-def test_triton_kv_write_matches_index_put_in_the_interpreter():
+def test_triton_kv_write_matches_index_put_in_the_interpreter(interpreter_checks):
     """The prefill's Triton K/V cache write (strided rows, two cache rows from one packed row)
     equals torch's index_put bit for bit, as does the op that chooses between them."""
-    _run_in_triton_interpreter(KV_WRITE_CHECK)
+    assert_printed_ok(interpreter_checks["kv_write"])
 
 
 SAMPLER_HEAD = """
@@ -684,14 +714,15 @@ print("ok")
 """
 
 
-def test_fused_sampler_matches_the_torch_sampler_in_the_interpreter():
+def test_fused_sampler_matches_the_torch_sampler_in_the_interpreter(interpreter_checks):
     """The Triton temperature sampler (kernels/sampler.py) draws the torch sampler's tokens
     from the same uniforms, over partial blocks, several chunks and a row far below zero, fp32
     and fp16 logits, with log-probs within 1e-5 of float64; its draws follow softmax(z / T)
     (chi-square)."""
-    # two processes at once (no value depends on the other half: the draws' uniforms come
-    # from fixed keys, not from the generator seeded above)
-    _run_in_triton_interpreter(SAMPLER_CHECK, SAMPLER_DRAWS_CHECK)
+    # two processes (no value depends on the other half: the draws' uniforms come from fixed
+    # keys, not from the generator seeded above)
+    assert_printed_ok(interpreter_checks["sampler"])
+    assert_printed_ok(interpreter_checks["sampler_draws"])
 
 
 SETTINGS_CHECK = """
@@ -738,11 +769,11 @@ print("ok")
 """
 
 
-def test_kernel_settings_reach_the_launchers_per_engine():
+def test_kernel_settings_reach_the_launchers_per_engine(interpreter_checks):
     """Two engines in one process with different RolloutKernelSettings: each one's decode
     attention and fused sampler launch with its own tile, warps, stages, PDL and prefetch
     (interleaved generate calls, Triton's interpreter), and the tokens are the same."""
-    _run_in_triton_interpreter(SETTINGS_CHECK)
+    assert_printed_ok(interpreter_checks["settings"])
 
 
 @pytest.mark.parametrize("static", [False, True])

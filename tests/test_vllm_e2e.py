@@ -29,6 +29,10 @@ def stories_hd32(tmp_path_factory):
     return path
 
 
+SMALLER = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+           "actor_rollout_ref.rollout.val_kwargs.n=2"]
+
+
 def _run_tiny_job(model_dir, out_dir, name: str, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
            str(free_port()), str(ROOT / "launch" / "ppo.py"), "--config",
@@ -37,7 +41,9 @@ def _run_tiny_job(model_dir, out_dir, name: str, *extra: str) -> list[dict]:
            # not 1: both engines report the log-probs of the distribution they sampled from,
            # and the actor scores at the same temperature
            "actor_rollout_ref.rollout.temperature=0.7",
-           f"trainer.default_local_dir={out_dir}", *extra]
+           # half the default job's prompts per step (still two mini-batches) and half its
+           # validation samples: the check is which metrics each engine logs, not their values
+           *SMALLER, f"trainer.default_local_dir={out_dir}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"{name} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
