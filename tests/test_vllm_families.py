@@ -38,13 +38,17 @@ def save_family_hd32(path, family: str, vocab: int = 97, seed: int = 0) -> str:
     return str(path)
 
 
-def _families_rank(rank, world, dirs):
+def _families_rank(rank, world, dirs, moe_dirs):
     for model_dir in dirs:      # one process: vLLM is imported once, an engine per family
         _parity_rank(rank, world, model_dir, model_dir)
+    from vllm_moe_cases import _moe_rank
+    _moe_rank(rank, world, moe_dirs)        # last: it swaps test_vllm's training step
 
 
 def test_vllm_matches_builtin_and_hf_after_a_training_step(vllm_ok, tmp_path):
-    """Qwen2 (test_vllm's model, at rollout TP 1 here), Qwen3, Llama 3 with llama3 scaling."""
+    """Qwen2 (test_vllm's model, at rollout TP 1 here), Qwen3, Llama 3 with llama3 scaling, and
+    the MoE families (tests/vllm_moe_cases.py), in one process: one vLLM import."""
+    from vllm_moe_cases import save_moe_hd32
     from transformers import AutoConfig, AutoModelForCausalLM
     dirs = [save_family_hd32(tmp_path / f, f) for f in ("qwen3", "llama3_rope")]
     # the scaling matters to these greedy tokens: without it, Hugging Face's differ
@@ -54,4 +58,6 @@ def test_vllm_matches_builtin_and_hf_after_a_training_step(vllm_ok, tmp_path):
     AutoModelForCausalLM.from_pretrained(dirs[1], config=config).save_pretrained(str(unscaled))
     prompts = _prompts(97)
     assert _hf_greedy(dirs[1], prompts) != _hf_greedy(str(unscaled), prompts)
-    run_dist(_families_rank, 1, [save_tiny_hd32(tmp_path / "qwen2", "qwen2", tied=True), *dirs])
+    moe_dirs = [save_moe_hd32(tmp_path / f, f) for f in ("qwen3_moe", "mixtral")]
+    run_dist(_families_rank, 1, [save_tiny_hd32(tmp_path / "qwen2", "qwen2", tied=True), *dirs],
+             moe_dirs)

@@ -1,16 +1,16 @@
-"""The vLLM rollout backend (CPU build) on the mixture-of-experts families (issue 29): a tiny
-Qwen3-MoE (a dense layer among sparse ones, tied) and a tiny Mixtral (untied). vLLM loads the
+"""Cases of the vLLM rollout backend (CPU build) on the mixture-of-experts families (issue 29):
+a tiny Qwen3-MoE (a dense layer among sparse ones, tied) and a tiny Mixtral (untied). vLLM loads the
 model directory; after a training step our HF weight stream delivers the experts under the names
 vLLM's loaders take (mlp.experts.{e}.gate_proj/up_proj/down_proj, mlp.gate; Mixtral's
 block_sparse_moe.experts.{e}.w1/w2/w3, block_sparse_moe.gate). Greedy outputs equal the built-in
 engine's before and after the step and Hugging Face's after it, sampled-token log-probs equal
 the training forward's (test_vllm's parity check, rollout TP 1). Without the reload fix of
 rollout.vllm (_moe_reload_as_first_load) the greedy tokens differ from the first sync on: vLLM 0.32
-leaves the reloaded experts unpacked on CPU. One process, one vLLM import."""
+leaves the reloaded experts unpacked on CPU. Run by tests/test_vllm_families.py's test, in its
+process (one vLLM import for every family)."""
 import torch
 
-from dist_utils import run_dist
-from test_vllm import _parity_rank, vllm_ok  # noqa: F401
+from test_vllm import _parity_rank
 
 VOCAB = 97
 
@@ -68,7 +68,3 @@ def _moe_rank(rank, world, dirs):
     for model_dir in dirs:      # one process: vLLM is imported once, an engine per family
         _parity_rank(rank, world, model_dir, model_dir)
 
-
-def test_vllm_moe_matches_builtin_and_hf_after_a_training_step(vllm_ok, tmp_path):
-    dirs = [save_moe_hd32(tmp_path / f, f) for f in ("qwen3_moe", "mixtral")]
-    run_dist(_moe_rank, 1, dirs)
