@@ -104,24 +104,26 @@ def test_router_losses_are_hf_and_st_moe_and_reach_the_gradient():
     assert not layer.loss_sums.any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_gemm_equals_the_expert_loop(dtype, monkeypatch):
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32), ("cpu", torch.bfloat16),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+def test_grouped_gemm_equals_the_expert_loop(device, dtype, monkeypatch):
     """The routed experts in two grouped GEMMs (torch._grouped_mm, where it runs: CPU fp32/bf16,
-    CUDA bf16 on sm90+) against one call per expert, outputs and every gradient, with an expert
-    that gets no tokens."""
+    CUDA bf16 on sm90+: the GPU case) against one call per expert, outputs and every gradient,
+    with an expert that gets no tokens."""
     import hybridengine.models.moe as moe
     torch.manual_seed(2)
     # bf16 rows of 12 units (24 bytes) miss the kernel's 16-byte alignment: the loop takes them
     assert not moe.grouped_mm_runs(torch.zeros(1, H, dtype=torch.bfloat16), I)
-    layer = MoEMLP(Cfg("qwen3_moe", moe_intermediate_size=16), None, False, dtype, "cpu")
+    layer = MoEMLP(Cfg("qwen3_moe", moe_intermediate_size=16), None, False, dtype, device)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)
         layer.gate.weight[3] = 0.0          # expert 3 loses every top-k: an empty group
         layer.gate.weight[3, 0] = -100.0
-    x = torch.randn(T, H, dtype=dtype)
+    x = torch.randn(T, H, dtype=dtype, device=device)
     x[:, 0] = 1.0
-    w = torch.randn(T, H, dtype=dtype)
+    w = torch.randn(T, H, dtype=dtype, device=device)
     assert moe.grouped_mm_runs(x, 16)
 
     def run():
