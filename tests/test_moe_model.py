@@ -19,22 +19,25 @@ from test_model_families import MAX_NEW, VOCAB, _engine_greedy, _hf_greedy, _hf_
 CASES = ["qwen3_moe", "mixtral"]
 
 
-def moe_hf_model(name: str, seed: int = 0):
-    """4 experts, top 2, 3 layers (Qwen3-MoE: layer 1 dense); weights spread so that every
-    expert is routed to and a wrong mapping shows."""
+def moe_hf_model(name: str, seed: int = 0, *, hidden: int = 32, layers: int = 3,
+                 head_dim: int = 16, ffn: int = 24, dense_ffn: int = 40, vocab: int | None = None,
+                 max_positions: int = 128):
+    """4 experts of `ffn` units, top 2, 4 / 2 heads (Qwen3-MoE: layer 1 dense, tied; Mixtral
+    untied); weights spread so that every expert is routed to and a wrong mapping shows. The
+    vocabulary: VOCAB at call time (tests/test_moe_e2e.py sets it to stories260K's)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, \
         Qwen3MoeForCausalLM
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, num_experts_per_tok=2,
+    common = dict(vocab_size=vocab or VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                  max_position_embeddings=max_positions, rms_norm_eps=1e-6, num_experts_per_tok=2,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if name == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            intermediate_size=40, moe_intermediate_size=24, num_experts=4, norm_topk_prob=False,
-            mlp_only_layers=[1], tie_word_embeddings=True, **common))
+            intermediate_size=dense_ffn, moe_intermediate_size=ffn, num_experts=4,
+            norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=True, **common))
     else:
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=24, num_local_experts=4,
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=ffn, num_local_experts=4,
                                                  tie_word_embeddings=False, **common))
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -16,28 +16,12 @@ VOCAB = 97
 
 
 def save_moe_hd32(path, family: str, seed: int = 0) -> str:
-    """hidden 64, 4 heads x head_dim 32 (vLLM's CPU attention takes no smaller), 2 K/V heads,
-    4 experts of 32 hidden units, top 2; weights spread so that every expert is routed to."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, \
-        Qwen3MoeForCausalLM
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, num_experts_per_tok=2,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    if family == "qwen3_moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            intermediate_size=48, moe_intermediate_size=32, num_experts=4, norm_topk_prob=False,
-            mlp_only_layers=[1], tie_word_embeddings=True, **common))
-    else:
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4,
-                                                 tie_word_embeddings=False, **common))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.15)
+    """test_moe_model's MoE models at vLLM's sizes: hidden 64, head_dim 32 (vLLM's CPU attention
+    takes no smaller; its CPU MoE kernel a hidden size divisible by 32), 2 layers, 4 experts of
+    32 units, top 2."""
+    from test_moe_model import moe_hf_model
+    model = moe_hf_model(family, seed, hidden=64, layers=2, head_dim=32, ffn=32, dense_ffn=48,
+                         vocab=VOCAB, max_positions=256)
     model.save_pretrained(str(path))
     return str(path)
 
