@@ -28,7 +28,8 @@ run() { local name=$1; shift
 rollout() { local hf=--hf; [ "${HF:-}" = none ] && hf=
             run rollout python3 tools/bench_rollout.py --compile --compile-prefill $hf --profile --variants "${VARIANTS-$1}" --out "$RES/rollout.partial.json"; }
 for p in $parts; do case $p in
-  tests)   timeout "${T:-300}" python3 -m pytest -q -m gpu tests/ > "$RES/tests.log" 2>&1
+  tests)   # TESTS: a subset of the GPU tests (default: all of them)
+           timeout "${T:-300}" python3 -m pytest -q -m gpu --durations=15 ${TESTS:-tests/} > "$RES/tests.log" 2>&1
            echo "rc=$?" >> "$RES/tests.log"; tail -25 "$RES/tests.log" | tee -a "$RES/session.log"; pack ;;
   model)   run model_hf python3 tools/bench_model.py --iters 10 --hf
            run model_compile python3 tools/bench_model.py --iters 10 --compile --profile ;;
