@@ -106,7 +106,7 @@ for p in $parts; do case $p in
            data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            for m in qwen3-dense-active qwen3-moe-1b; do
              run "rollout_$m" python3 tools/bench_rollout.py --model "$m" --compile --compile-prefill
-             T=${T:-580} run "grpo_$m" python3 tools/bench_ppo.py --workload fixed --algo grpo --defaults --steps 2 --model "$m" $data
+             T=${T:-580} run "grpo_$m" python3 tools/bench_ppo.py --workload fixed --algo grpo --defaults --steps 2 --model "$m" --profile $data
            done ;;
   longseq) # issue 28, one GPU: one actor update on single sequences of 8k, 16k and 32k tokens,
            # recomputation on, at 0.5B and 1.5B (where one GPU stops: an OOM prints {"oom": true})

@@ -434,3 +434,27 @@ def test_auto_offload_takes_the_cheapest_parts_that_make_the_batch_fit():
     assert rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu) == []
     assert rl_memory.memory_errors(cfg, layout, model, model, cpu)[0].startswith(
         "memory plan: update_actor needs ")
+
+
+def test_moe_plan_equals_allocation(one_thread):
+    """A Qwen3-MoE actor (stacked experts, models.moe) on one rank: weights and optimizer state
+    as planned (stage_params names the stacks); the reshard arena of an fp32 actor with a bf16
+    rollout exactly (each stack one aligned run, hybrid.program)."""
+    cfg = dataclasses.replace(CFG, model_type="qwen3_moe", qk_norm=True, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=24,
+                              mlp_only_layers=(1,))
+    mesh = build_mesh(Layout())
+    torch.manual_seed(0)
+    engine = TrainEngine(cfg, mesh, dtype=torch.bfloat16,
+                         optim=OptimConfig(lr=1e-3, bucket_mb=BUCKET_MB))
+    assert [(n, tuple(p.shape)) for n, p in engine.model.named_parameters()] == \
+        stage_params(cfg, 1)
+    _one_step(engine, 1, False)
+    _compare(engine, RoleSpec(cfg, Layout(), torch.bfloat16, bucket_mb=BUCKET_MB), 0)
+    hybrid = HybridEngine(cfg, mesh, build_gen_mesh(GenLayout(Layout(), 1)),
+                          dtype=torch.bfloat16)
+    hybrid.to_generation(TrainEngine(cfg, mesh, dtype=torch.float32).model)
+    rollout = RolloutSpec(max_model_len=32, max_num_seqs=3, dtype=torch.bfloat16)
+    arena, _, _, _ = mp.reshard_memory(RoleSpec(cfg, Layout(), torch.float32), rollout, 0)
+    assert arena == hybrid._store.arena.numel() * hybrid._store.arena.element_size()
+    hybrid.to_training()

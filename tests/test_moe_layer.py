@@ -1,6 +1,8 @@
 """The MoE MLP (models.moe) against Hugging Face's sparse blocks (Qwen3-MoE with and without
-norm_topk_prob, Mixtral) on the same weights, in its routed and its sync-free (every expert)
-forms. Its tensor-parallel shards: test_moe_model (tp 2, SP on and off, float64 gradients)."""
+norm_topk_prob, Mixtral) on the same weights, in its routed and its sync-free forms; the
+grouped GEMMs on the stacked expert parameters (in place, no per-call copy) against the
+per-expert loop, in training and in the sync-free decode form. Its tensor-parallel shards:
+test_moe_model (tp 2, SP on and off, float64 gradients)."""
 from dataclasses import dataclass
 
 import pytest
@@ -36,13 +38,12 @@ def _hf_block(model_type: str, norm_topk_prob: bool):
 
 
 def _copy_from_hf(ours: MoEMLP, hf) -> None:
-    """HF 5.x keeps the experts stacked: gate_up_proj [E, 2I, H] ([gate; up]), down_proj
-    [E, H, I]."""
+    """HF 5.x keeps the experts stacked as we do: gate_up_proj [E, 2I, H] ([gate; up]),
+    down_proj [E, H, I]."""
     with torch.no_grad():
         ours.gate.weight.copy_(hf.gate.weight)
-        for e, expert in enumerate(ours.experts):
-            expert.gate_up_proj.weight.copy_(hf.experts.gate_up_proj[e])
-            expert.down_proj.weight.copy_(hf.experts.down_proj[e])
+        ours.experts.gate_up_proj.copy_(hf.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(hf.experts.down_proj)
 
 
 @pytest.mark.parametrize("model_type,norm", [("qwen3_moe", True), ("qwen3_moe", False),
@@ -62,7 +63,7 @@ def test_moe_mlp_equals_transformers(model_type, norm):
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     _, _, experts = ours.route(x)
     assert experts.unique().numel() == E          # every expert had tokens
-    ours.sync_free = True           # the rollout's graph-safe form: the same sums, other GEMMs
+    ours.sync_free = True           # the rollout's graph-safe form: no host sync, the same sums
     assert (ours(x) - got).abs().max().item() <= 1e-6 * got.abs().max().item()
 
 
@@ -131,7 +132,7 @@ def test_grouped_gemm_equals_the_expert_loop(device, dtype, monkeypatch):
         xi = x.clone().requires_grad_(True)
         out = layer(xi)
         (out.float() * w.float()).sum().backward()
-        # an expert without tokens: zeros from the grouped GEMMs, no gradient from the loop
+        # an expert without tokens: zeros in its slice of the stacked gradients either way
         return [out.detach(), xi.grad] + [torch.zeros_like(p) if p.grad is None else p.grad.clone()
                                           for p in layer.parameters()]
     assert 3 not in layer.route(x)[2].unique().tolist()
@@ -142,3 +143,100 @@ def test_grouped_gemm_equals_the_expert_loop(device, dtype, monkeypatch):
     for a, b in zip(grouped, loop):
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), \
             (a.float() - b.float()).abs().max()
+
+
+def _spread(layer: MoEMLP, empty: int = 3) -> None:
+    """Weights spread, and expert `empty` losing every top-k (for inputs with x[:, 0] = 1)."""
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        layer.gate.weight[empty] = 0.0
+        layer.gate.weight[empty, 0] = -100.0
+
+
+def test_grouped_gemms_read_the_stacked_parameters_in_place(monkeypatch):
+    """The experts are stored stacked: both grouped GEMMs read views of the parameters
+    themselves (no torch.stack, no copy per call), and the gradients land in them."""
+    import hybridengine.models.moe as moe
+    torch.manual_seed(3)
+    layer = MoEMLP(Cfg("qwen3_moe", moe_intermediate_size=16), None, False, torch.float32,
+                   "cpu")
+    _spread(layer)
+    x = torch.randn(T, H)
+    x[:, 0] = 1.0
+    assert moe.grouped_mm_runs(x, 16)
+    operands, stacks, inner = [], [], torch._grouped_mm
+
+    def grouped_mm(a, b, offs=None, **kw):
+        operands.append((b, offs))
+        return inner(a, b, offs=offs, **kw)
+
+    def stack(*args, **kw):
+        stacks.append(args)
+        return torch.cat([t.unsqueeze(0) for t in args[0]])
+    monkeypatch.setattr(torch, "_grouped_mm", grouped_mm)
+    monkeypatch.setattr(torch, "stack", stack)
+    layer(x).square().sum().backward()
+    assert not stacks and len(operands) == 2
+    experts = layer.experts
+    for (b, offs), p in zip(operands, (experts.gate_up_proj, experts.down_proj)):
+        assert b.data_ptr() == p.data_ptr() and b._base is p
+        assert b.shape == p.transpose(1, 2).shape
+        assert offs.dtype == torch.int32 and offs.tolist()[-1] == T * K
+        assert p.grad is not None and p.grad[3].abs().max() == 0 and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sync_free_grouped_decode_equals_the_loop(dtype, monkeypatch):
+    """The rollout's sync-free form (CUDA graphs, compiled decode) where the grouped GEMM runs:
+    rows sorted by expert on the device, the group ends a device int32 tensor, no host sync
+    (no .tolist() / .item()), only the routed experts' GEMMs; equal to the loop with an expert
+    that gets no tokens, at decode batch sizes. Where the grouped GEMM does not run it falls
+    back to every expert over every token: equal too."""
+    import hybridengine.models.moe as moe
+    torch.manual_seed(4)
+    layer = MoEMLP(Cfg("qwen3_moe", moe_intermediate_size=16), None, False, dtype, "cpu")
+    _spread(layer)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for tokens in (1, 3, T):
+        x = torch.randn(tokens, H, dtype=dtype)
+        x[:, 0] = 1.0
+        assert 3 not in layer.route(x)[2].unique().tolist()
+        with torch.no_grad():
+            loop = layer._loop(*_sorted_rows(layer, x))       # one call per expert
+            loop_out = torch.zeros_like(x).index_add_(0, *_weighted(layer, x, loop))
+            calls = []
+            with monkeypatch.context() as m:
+                inner = torch._grouped_mm
+                m.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(kw["offs"])
+                          or inner(*a, **kw))
+                for name in ("tolist", "item"):
+                    m.setattr(torch.Tensor, name, _no_host_sync)
+                layer.sync_free = True
+                grouped = layer(x)
+                m.setattr(moe, "grouped_mm_runs", lambda x, ffn: False)
+                every = layer(x)
+            layer.sync_free = False
+        assert len(calls) == 2 and calls[0].dtype == torch.int32 and calls[0].numel() == E
+        for got in (grouped, every):
+            err = (got.float() - loop_out.float()).abs().max()
+            assert err <= tol * loop_out.float().abs().max(), (tokens, err)
+
+
+def _no_host_sync(*_):
+    raise AssertionError("host synchronisation in the sync-free MoE form")
+
+
+def _sorted_rows(layer: MoEMLP, x):
+    """The routed rows sorted by expert and the rows per expert (the reference loop's input)."""
+    _, _, experts = layer.route(x)
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    counts = torch.bincount(experts.reshape(-1), minlength=E).tolist()
+    return x[order // K], counts
+
+
+def _weighted(layer: MoEMLP, x, y):
+    """(token index, routing-weighted expert output) of each sorted row."""
+    _, weights, experts = layer.route(x)
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    return order // K, (y * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)

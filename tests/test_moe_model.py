@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dist_utils import run_dist
+import hybridengine.models.moe as moe
 from hybridengine.models.hf import load_decoder, read_model_config, save_hf
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.mesh import build_mesh
@@ -90,17 +91,24 @@ def test_save_hf_loads_in_transformers(dirs, tmp_path, name):
 def test_rollout_greedy_matches_hf_generate(dirs, name):
     want = _hf_greedy(moe_hf_model(name))
     assert _engine_greedy(load_decoder(dirs[name])) == want
-    # the form a CUDA-graph or compiled decode step runs (every expert, no host sync), with the
-    # graph-shaped decode batches, here on the CPU
-    engine = Engine(load_decoder(dirs[name]), RolloutConfig(max_num_seqs=8, max_model_len=64,
-                                                            max_prefill_tokens=128))
-    engine.runner.static_shapes = True
-    layers = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "sync_free")]
-    assert layers and not any(m.sync_free for m in layers)      # eager on the CPU
-    for m in layers:
-        m.sync_free = True
-    got = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    assert [r.token_ids for r in got] == want
+    # the forms a CUDA-graph or compiled decode step runs (no host sync: grouped over the routed
+    # rows, or every expert where the grouped GEMM does not run), with the graph-shaped decode
+    # batches, here on the CPU
+    for grouped in (True, False):
+        engine = Engine(load_decoder(dirs[name]), RolloutConfig(
+            max_num_seqs=8, max_model_len=64, max_prefill_tokens=128))
+        engine.runner.static_shapes = True
+        layers = [layer.mlp for layer in engine.runner.model.layers
+                  if hasattr(layer.mlp, "sync_free")]
+        assert layers and not any(m.sync_free for m in layers)      # eager on the CPU
+        for m in layers:
+            m.sync_free = True
+        with pytest.MonkeyPatch.context() as mp:
+            if not grouped:
+                mp.setattr(moe, "grouped_mm_runs", lambda x, ffn: False)
+            got = engine.generate(_prompts(), SamplingParams(temperature=0.0,
+                                                             max_tokens=MAX_NEW))
+        assert [r.token_ids for r in got] == want, grouped
 
 
 def _with_router_losses(model):

@@ -80,3 +80,38 @@ def test_misuse_is_one_clear_error():
     with pytest.raises(ValueError, match="does not belong"):
         HybridEngine(CFG, build_mesh(Layout()), build_gen_mesh(GenLayout(Layout(), 1)).__class__(
             build_gen_mesh(GenLayout(Layout(), 1)).gen_layout, rank=3))
+
+
+MOE = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, model_type="qwen3_moe", qk_norm=True,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
+                  mlp_only_layers=(1,))
+
+
+@pytest.mark.parametrize("mode", ["zero_redundancy", "naive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_experts_switch_as_one_view(dtype, mode):
+    """The plan moves experts one by one; the generation model's stacked experts are one view
+    of them: the training stacks themselves when nothing moves (zero-copy), else one run of
+    the arena, refilled in place when the weights are kept."""
+    torch.manual_seed(1)
+    train = Decoder(MOE)
+    layout = Layout()
+    engine = HybridEngine(MOE, build_mesh(layout), build_gen_mesh(GenLayout(layout, 1)),
+                          dtype=dtype, keep_weights=True, mode=mode)
+    stacks = [n for n, _ in train.named_parameters() if ".experts." in n]
+    assert stacks == ["layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj"]
+    for step in range(2):
+        gen = engine.to_generation(train)
+        got, want = dict(gen.named_parameters()), dict(train.named_parameters())
+        assert got.keys() == want.keys()
+        for n in stacks:
+            assert torch.equal(got[n], want[n].detach().to(dtype)) and got[n].is_contiguous()
+            assert (got[n].data_ptr() == want[n].data_ptr()) == (dtype == torch.float32)
+        if step == 0:
+            before = {n: got[n].data_ptr() for n in stacks}
+        assert all(got[n].data_ptr() == before[n] for n in stacks)
+        engine.to_training()
+        with torch.no_grad():
+            for n in stacks:
+                want[n].add_(1.0)

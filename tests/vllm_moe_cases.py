@@ -46,8 +46,9 @@ def _moe_rank(rank, world, dirs):
         before = {n: p.detach().clone() for n, p in actor.model.named_parameters()
                   if ".experts." in n}
         step(actor, prompts)
-        now = dict(actor.model.named_parameters())
-        assert before and all(not torch.equal(now[n], t) for n, t in before.items())
+        now = dict(actor.model.named_parameters())      # stacked: every expert of each
+        assert before and all(not torch.equal(now[n][e], t[e]) for n, t in before.items()
+                              for e in range(t.shape[0]))
     test_vllm._train_step = step_moving_experts      # _parity_rank's (this spawned process)
     for model_dir in dirs:      # one process: vLLM is imported once, an engine per family
         _parity_rank(rank, world, model_dir, model_dir)

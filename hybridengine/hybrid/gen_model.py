@@ -14,6 +14,7 @@ from torch import nn
 
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import VOCAB_PARAMS
+from hybridengine.models.moe import stack_views, stacked_name
 from hybridengine.parallel.mesh import GenMesh
 
 
@@ -41,7 +42,10 @@ def _set_param(model: nn.Module, name: str, t: torch.Tensor) -> None:
 
 
 def assign_weights(model: Decoder, tensors: dict[str, torch.Tensor]) -> None:
-    """Point every parameter of the skeleton at its tensor (no copy; shapes checked)."""
+    """Point every parameter of the skeleton at its tensor (no copy; shapes checked). Experts
+    come one by one (the plan's per-expert names): a stacked parameter becomes the one view of
+    its experts' tensors, which the reshard places back to back (hybrid.program)."""
+    tensors = _stacked(tensors)
     params = dict(model.named_parameters())
     if set(params) != set(tensors):
         raise RuntimeError(f"generation shard {sorted(set(tensors) ^ set(params))[:3]} does not "
@@ -51,6 +55,23 @@ def assign_weights(model: Decoder, tensors: dict[str, torch.Tensor]) -> None:
             raise RuntimeError(f"generation weight {name} {tuple(t.shape)} != "
                                f"{tuple(params[name].shape)}")
         _set_param(model, name, t)
+
+
+def _stacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        key = stacked_name(name)
+        if key is None:
+            out[name] = t
+        else:
+            experts.setdefault(key[0], {})[key[1]] = t
+    for name, views in experts.items():
+        ids = sorted(views)
+        out[name] = stack_views([views[e] for e in ids]) if ids == list(range(len(ids))) \
+            else None
+        if out[name] is None:
+            raise RuntimeError(f"the generation experts of {name} are not one stack in memory")
+    return out
 
 
 def release_weights(model: Decoder, names=None) -> None:

@@ -5,7 +5,9 @@ slices its own TP shard out of each. At generation TP 1 the stream yields views 
 Decoder's parameters (no copy, no communication). At TP > 1 each tensor either travels by an
 all-gather over the generation-TP group, in buckets ("gather"), or, when vLLM's TP group is ours
 and its slice is this rank's shard, is handed over as a full-size tensor holding only this rank's
-slice ("handoff"; the rest NaN, so a loader reading outside its slice would be loud).
+slice ("handoff"; the rest NaN, so a loader reading outside its slice would be loud). Stacked
+experts go one by one under their HF names (experts.{e}.gate_proj / up_proj / down_proj, Mixtral's
+w1 / w3 / w2), the names vLLM's Qwen3-MoE and Mixtral loaders take.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import VOCAB_PARAMS, Piece, is_tp_replicated, param_plan
+from hybridengine.models.moe import expert_views
 from hybridengine.parallel.tensor import all_gather_flat, group_size
 
 
@@ -113,7 +116,7 @@ def hf_weight_stream(model: Decoder, group, bucket_mb: float, stats: dict | None
     stats.setdefault("gathered_bytes", 0)
     max_bytes = max(1, int(bucket_mb * 2**20))
     bucket, size = [], 0
-    for name, p in model.named_parameters():
+    for name, p in expert_views(model.named_parameters()):     # experts one by one
         if name.startswith("value_head.") or (name == "lm_head.weight"
                                               and cfg.tie_word_embeddings):
             continue

@@ -11,6 +11,7 @@ order), each send a chunk of every bucket; one all-gather per bucket leaves ever
 every chunk, and each member builds the same generation shard out of them:
 
     shard description   every parameter of a shard as HF slices (hf.param_plan) at known offsets
+                        (stacked experts: each expert's view a parameter of its own)
     matching            each slice of each generation parameter is cut into intervals; an interval
                         that every member holds is copied locally (a `local` Block, no transfer);
                         otherwise one holder sends it (a replicated interval is split evenly over
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from hybridengine.hybrid.buckets import Block, Transfer, as_2d, bucket
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import VOCAB_PARAMS, Piece, param_plan
+from hybridengine.models.moe import expert_views
 from hybridengine.parallel.layout import GenLayout, Layout
 from hybridengine.parallel.tensor import padded_vocab_size
 
@@ -123,9 +125,11 @@ class Slot:
 
 @functools.lru_cache(maxsize=64)
 def _stage_params(cfg: ModelConfig, pp: int, pp_rank: int) -> tuple:
-    """(name, full shape) of every parameter of a pipeline stage at tp = 1 (a meta Decoder)."""
+    """(name, full shape) of every parameter of a pipeline stage at tp = 1 (a meta Decoder),
+    stacked experts one by one (their per-expert views, models.moe)."""
     model = Decoder(cfg, None, False, pp_rank, pp, device="meta")
-    return model.layer_start, tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    return model.layer_start, tuple((n, tuple(p.shape))
+                                    for n, p in expert_views(model.named_parameters()))
 
 
 def shard_slots(cfg: ModelConfig, tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0,

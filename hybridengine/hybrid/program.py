@@ -4,7 +4,8 @@ the buckets and binds these copies to them. A direct bucket (hybrid.plan) has no
 all-gather reads this member's training rows and writes a section of the arena.
 
 A generation weight is either a training parameter itself ("shared": zero-copy) or a slice of
-one flat arena (one allocation, 16-byte aligned slices); naive mode adds a second arena for the
+one flat arena (one allocation, 16-byte aligned slices; a stacked experts parameter's experts
+back to back, in one aligned run); naive mode adds a second arena for the
 generation shard cut out of the gathered full model. Copies are merged where memory allows:
 adjacent rows of one training parameter pack as one copy; the column blocks (o_proj, down_proj)
 that consecutive members send at equal offsets unpack as one strided copy.
@@ -18,6 +19,7 @@ import torch
 from hybridengine.hybrid.buckets import Block
 from hybridengine.hybrid.plan import ReshardPlan
 from hybridengine.models.hf import VOCAB_PARAMS
+from hybridengine.models.moe import stacked_name
 
 ALIGN_BYTES = 16      # every generation weight starts 16-byte aligned in the arena (GEMM loads)
 
@@ -83,10 +85,17 @@ class Program:
 
 
 def _arena_layout(names_shapes, align: int) -> tuple[dict[str, int], int]:
+    """Offsets of the weights, each aligned; consecutive experts of one stacked parameter
+    (models.moe) back to back, so the generation model's stacked tensor is one view of them."""
     offsets, at = {}, 0
-    for name, shape in names_shapes:
+    items = list(names_shapes)
+    for i, (name, shape) in enumerate(items):
         offsets[name] = at
-        at += -(-numel(shape) // align) * align
+        at += numel(shape)
+        nxt = stacked_name(items[i + 1][0]) if i + 1 < len(items) else None
+        here = stacked_name(name)
+        if not (here and nxt and nxt == (here[0], here[1] + 1)):
+            at = -(-at // align) * align
     return offsets, at
 
 

@@ -56,6 +56,7 @@ from hybridengine.hybrid.program import ALIGN_BYTES, Copies, Program, compile_pr
 from hybridengine.hybrid.report import Stats, SwitchReport, peak_memory_gb, start_clock, \
     switch_metrics, timed
 from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.models.moe import expert_views
 from hybridengine.parallel import tensor as ptensor
 from hybridengine.parallel.mesh import GenMesh, ParallelMesh
 
@@ -117,8 +118,7 @@ class HybridEngine:
         self._lora_merged: dict[str, torch.Tensor] = {}
         self._lora_names: list[str] = []
         # expert parallelism: every expert of the EP group first (hybrid.experts)
-        self._experts = ExpertGather(train_mesh.ep_group, cfg.num_experts) \
-            if train_mesh.ep > 1 else None
+        self._experts = ExpertGather(train_mesh.ep_group) if train_mesh.ep > 1 else None
 
     def plan(self, dtype: torch.dtype) -> tuple[ReshardPlan, int]:
         """(plan of this rank's group, this rank's member index) for a rollout dtype (cached)."""
@@ -162,8 +162,9 @@ class HybridEngine:
         offload_s = timed(self.offload)
         stats = Stats()
         if self._experts is not None:
-            params, stats.bytes = self._experts(params)
-            stats.collectives = 1
+            params, stats.bytes, stats.collectives = self._experts(params)
+        # the plan moves experts one by one: views of the stacked parameters (models.moe)
+        params = dict(expert_views(params.items()))
         prog = self._program(params, dtype)          # checks the shard before anything moves
         if self.model is None:
             self.model = build_gen_decoder(self.cfg, self.gen_mesh, prog.plan.gen_params,

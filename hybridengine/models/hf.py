@@ -26,12 +26,13 @@ from hybridengine.models.decoder import Decoder, ModelConfig
 # the config side (one module of its own; these names stay importable from here)
 from hybridengine.models.hf_config import SUPPORTED, check_model_dir, hf_config_dict, \
     read_model_config
-from hybridengine.models.moe import expert_name, is_expert_param
+from hybridengine.models.moe import expert_view_name, expert_views, is_expert_param
 from hybridengine.parallel.tensor import all_gather_dim0, group_rank, group_size, \
     padded_vocab_size
 
 __all__ = ["SUPPORTED", "check_model_dir", "read_model_config", "param_plan", "load_hf_weights",
-           "save_hf", "load_decoder", "is_tp_replicated", "SafetensorsDir", "Piece"]
+           "save_hf", "load_decoder", "is_tp_replicated", "first_expert", "SafetensorsDir",
+           "Piece"]
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")   # vocab-parallel rows (tp-padded)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -116,7 +117,10 @@ def _expert_plan(prefix: str, rest: str, cfg: ModelConfig, tp: int, tp_rank: int
 
 
 def is_tp_replicated(local_name: str, cfg: ModelConfig, tp: int) -> bool:
-    """True for parameters every TP rank holds whole (norms, value head)."""
+    """True for parameters every TP rank holds whole (norms, value head); a stacked experts
+    parameter is split as each of its experts is."""
+    if is_expert_param(local_name):
+        local_name = expert_view_name(local_name, 0)
     return tp == 1 or param_plan(local_name, cfg, tp, 0) == param_plan(local_name, cfg, tp, 1)
 
 
@@ -165,12 +169,19 @@ class SafetensorsDir:
         return sl[tuple(idx)]
 
 
+def first_expert(model: Decoder) -> int:
+    """Global id of this EP rank's first expert (models.moe: E/ep consecutive experts)."""
+    ep = group_size(model.ep_group)
+    return group_rank(model.ep_group) * (model.cfg.num_experts // ep) if ep > 1 else 0
+
+
 def load_hf_weights(model: Decoder, model_dir: str | os.PathLike, tp_rank: int = 0) -> None:
-    """Fill every parameter of `model` (one TP/PP shard) from an HF directory, checking shapes."""
+    """Fill every parameter of `model` (one TP/PP shard) from an HF directory, checking shapes
+    (stacked experts through their per-expert views, models.moe)."""
     st = SafetensorsDir(model_dir)
     tp = group_size(model.tp_group)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in expert_views(model.named_parameters(), first_expert(model)):
             if name.startswith("value_head.") and "score.weight" not in st:
                 param.zero_()  # a critic starting from a language model: a fresh value head
                 continue
@@ -200,7 +211,11 @@ def _check_piece_shapes(name, param, pieces, parts, model_dir):
 
 
 def _gather_full(model: Decoder, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """All-gather a parameter over TP and reassemble the HF tensors it is made of."""
+    """All-gather a parameter over TP and reassemble the HF tensors it is made of (stacked
+    experts: this EP rank's, one by one)."""
+    if is_expert_param(name):
+        return {k: t for n, view in expert_views([(name, param)], first_expert(model))
+                for k, t in _gather_full(model, n, view).items()}
     tp = group_size(model.tp_group)
     if tp > 1 and is_tp_replicated(name, model.cfg, tp):
         tp = 1                      # norms, value head: every rank holds the whole tensor
@@ -221,14 +236,14 @@ def _gather_full(model: Decoder, name: str, param: torch.Tensor) -> dict[str, to
 
 
 def _gather_experts(model: Decoder, name: str, param: torch.Tensor):
-    """[(name, tensor)]: the parameter itself, or for an expert under expert parallelism the
-    same parameter of every EP rank (expert e + (r − own rank)·E/ep of rank r; one all-gather)."""
-    ep = group_size(model.ep_group)
-    if ep == 1 or not is_expert_param(name):
+    """[(name, tensor)]: the parameter itself, or for stacked experts one view per expert of
+    every EP rank (the stacked parameters of the EP group, rank-major = global expert order,
+    in one all-gather)."""
+    if not is_expert_param(name):
         return [(name, param.detach())]
-    local, me = model.cfg.num_experts // ep, group_rank(model.ep_group)
-    chunks = all_gather_dim0(param.detach().unsqueeze(0), model.ep_group)
-    return [(expert_name(name, (r - me) * local), chunks[r]) for r in range(ep)]
+    every = all_gather_dim0(param.detach(), model.ep_group) \
+        if group_size(model.ep_group) > 1 else param.detach()
+    return list(expert_views([(name, every)]))
 
 
 def save_hf(model: Decoder, out_dir: str | os.PathLike, mesh=None, src_dir=None,

@@ -7,11 +7,16 @@ casts the weights back to the activations' dtype before they scale the expert ou
 scales in fp32 and rounds the product. Each routed expert is a SwiGLU MLP; a token's output is
 the weighted sum of its k experts' outputs. No token is dropped (no capacity limit).
 
-Parameters follow the dense MLP's layout (models.decoder.MLP) per expert: experts.{e}.gate_up_proj
-[2·I/tp, H] (rank shard [gate_r; up_r]) and experts.{e}.down_proj [H, I/tp], so loading, saving,
-resharding and the optimizer treat them as they treat dense weights. The router weight [E, H] is
-whole on every TP rank. Experts run one after another over the tokens routed to them (Megatron's
-SequentialMLP); a grouped GEMM over stacked experts is the faster form where it exists.
+Parameters: this rank's experts stacked, two per layer (HF 5.x's in-memory layout, sharded):
+experts.gate_up_proj [E_local, 2·I/tp, H] (expert e's rank shard [gate_r; up_r], as the dense
+MLP's gate_up_proj, models.decoder.MLP) and experts.down_proj [E_local, H, I/tp]. Each expert
+keeps the [out, in] orientation of nn.Linear, so the grouped GEMM reads the stacked tensors
+transposed as views (the column-major operand the CUDA kernel takes) and the loop indexes them:
+no per-call copy. Outside the layer every expert keeps its own name (expert_views:
+experts.{e}.gate_up_proj.weight, e the global id): the HF mapping (models.hf.param_plan), the
+reshard plan and the vLLM stream work per expert on views of the stacked parameters, while the
+optimizer buckets the stacked parameters themselves. The router weight [E, H] is whole on every
+TP rank.
 
 Tensor parallelism: the input is gathered from the sequence shards (or copied to the TP region),
 every rank routes all tokens the same way and computes its slice of every expert's hidden units;
@@ -20,18 +25,20 @@ rank's router gradient comes from its own slices only, so it is summed over TP a
 weights' are (`sequence_parallel` marks it for that sum).
 
 Expert parallelism (ep_group of ep ranks, parallel.layout): this rank holds experts
-[r·E/ep, (r+1)·E/ep) only, named by their global ids (experts.{e}: the HF names), and the router
-whole. Each rank routes its own tokens; the rows for another rank's experts go there and back by
-all-to-all (parallel.experts), inside the EP group of this TP rank: every TP rank of a replica
-routes the same tokens the same way, so each sends the same rows, its experts' TP slices compute
-their partial outputs, and the TP sum after the combine is the dense path's. The sync-free form
-(rollout) needs every expert: the generation model has no EP.
+[r·E/ep, (r+1)·E/ep) only (experts.first = r·E/ep; their views named by global id), and the
+router whole. Each rank routes its own tokens; the rows for another rank's experts go there and
+back by all-to-all (parallel.experts), inside the EP group of this TP rank: every TP rank of a
+replica routes the same tokens the same way, so each sends the same rows, its experts' TP slices
+compute their partial outputs, and the TP sum after the combine is the dense path's. The
+sync-free form (rollout) needs every expert: the generation model has no EP.
 
-The local experts run as two grouped GEMMs (torch._grouped_mm over the rows grouped by expert,
-the weights stacked per call; Megatron's GroupedMLP) where torch has the kernel for the dtype,
-device and widths (grouped_mm_runs), else one call per expert; without EP the grouped form needs
-no host synchronisation. The stacked copy of the expert weights lives until backward: ~2x the
-expert weights at peak (parameters stored stacked would avoid it).
+The local experts run as two grouped GEMMs over the rows sorted by expert (torch._grouped_mm on
+the stacked parameters; Megatron's GroupedMLP) where torch has the kernel for the dtype, device
+and widths (grouped_mm_runs), else one call per expert. Without EP the group ends come from a
+binary search over the sorted expert ids and stay on the device: no host synchronisation, so the
+rollout's CUDA graphs and compiled steps (sync_free) take this form too and run only the routed
+experts' FLOPs; where the grouped GEMM does not run they fall back to every expert over every
+token, weighted by the routing.
 
 Router losses (training, off by default as in Megatron): the load-balancing loss and the z-loss
 per layer, their gradients started from the layer output (no path to the trainer's loss), their
@@ -50,50 +57,76 @@ from hybridengine.parallel.tensor import copy_to_tp, divide, gather_from_sp, gro
     group_size, reduce_from_tp, reduce_scatter_to_sp
 
 
-_EXPERT_NAME = re.compile(r"(.+\.mlp\.experts\.)(\d+)(\..+)")
+_STACKED = re.compile(r"(.+\.mlp\.experts\.)(gate_up_proj|down_proj)")
+_VIEW = re.compile(r"(.+\.mlp\.experts\.)(\d+)\.(gate_up_proj|down_proj)\.weight")
 
 
 def is_expert_param(name: str) -> bool:
-    """A routed expert's weight (not replicated over an EP group), by its Decoder name."""
-    return _EXPERT_NAME.fullmatch(name) is not None
+    """A stacked routed-experts parameter (not replicated over an EP group), by its Decoder
+    name (layers.L.mlp.experts.gate_up_proj / down_proj)."""
+    return _STACKED.fullmatch(name) is not None
 
 
-def expert_name(name: str, shift: int) -> str:
-    """The name of the same weight of expert id + shift (another EP rank's expert)."""
-    m = _EXPERT_NAME.fullmatch(name)
-    return f"{m.group(1)}{int(m.group(2)) + shift}{m.group(3)}"
+def expert_view_name(name: str, expert: int) -> str:
+    """The per-expert name of global expert `expert` in stacked parameter `name`."""
+    m = _STACKED.fullmatch(name)
+    return f"{m.group(1)}{expert}.{m.group(2)}.weight"
 
 
-class Expert(nn.Module):
-    """One routed expert's TP shard: SwiGLU with I/tp hidden units."""
+def stacked_name(name: str) -> tuple[str, int] | None:
+    """(stacked parameter name, global expert id) of a per-expert name; None for others."""
+    m = _VIEW.fullmatch(name)
+    return None if m is None else (m.group(1) + m.group(3), int(m.group(2)))
 
-    def __init__(self, hidden: int, ffn_per_rank: int, dtype, device):
+
+def expert_views(named, first: int = 0):
+    """(name, tensor) pairs with each stacked expert tensor [n, ...] replaced by its n views
+    [...] named per expert, global ids first … first + n − 1 (the names models.hf.param_plan
+    maps to HF tensors); other pairs pass unchanged. Views, no copy."""
+    for name, t in named:
+        if is_expert_param(name):
+            yield from ((expert_view_name(name, first + i), t[i]) for i in range(t.shape[0]))
+        else:
+            yield name, t
+
+
+def stack_views(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """Equal-shaped views spaced evenly in one storage (consecutive experts) as one stacked
+    [n, ...] view of it, no copy; None when they are not."""
+    first = views[0]
+    step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else \
+        first.numel()
+    for i, v in enumerate(views):
+        if v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype \
+                or v.device != first.device or v.untyped_storage().data_ptr() != \
+                first.untyped_storage().data_ptr() or \
+                v.storage_offset() != first.storage_offset() + i * step:
+            return None
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()),
+                            first.storage_offset())
+
+
+class StackedExperts(nn.Module):
+    """Experts [first, first + num) of this EP rank, each a SwiGLU TP shard of I/tp hidden
+    units, stacked (module doc): gate_up_proj [num, 2·I/tp, H], down_proj [num, H, I/tp]."""
+
+    def __init__(self, first: int, num: int, hidden: int, ffn_per_rank: int, dtype, device):
         super().__init__()
-        self.ffn_per_rank = ffn_per_rank
-        self.gate_up_proj = nn.Linear(hidden, 2 * ffn_per_rank, bias=False, dtype=dtype,
-                                      device=device)
-        self.down_proj = nn.Linear(ffn_per_rank, hidden, bias=False, dtype=dtype, device=device)
-        nn.init.normal_(self.gate_up_proj.weight, std=0.02)
-        nn.init.normal_(self.down_proj.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.ffn_per_rank, dim=-1)
-        return self.down_proj(act(gate) * up)
-
-
-class ExpertShard(nn.Module):
-    """This EP rank's experts, named by their global ids; iterated in id order."""
-
-    def __init__(self, ids: range, make):
-        super().__init__()
-        for e in ids:
-            self.add_module(str(e), make())
-
-    def __iter__(self):
-        return iter(self._modules.values())
+        self.first, self.ffn_per_rank = first, ffn_per_rank
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * ffn_per_rank, hidden,
+                                                     dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden, ffn_per_rank, dtype=dtype,
+                                                  device=device))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return self.gate_up_proj.shape[0]
+
+    def run(self, i: int, x: torch.Tensor, act) -> torch.Tensor:
+        """Local expert i over rows x [n, H] (its weights indexed: views, no copy)."""
+        gate, up = nn.functional.linear(x, self.gate_up_proj[i]).split(self.ffn_per_rank, -1)
+        return nn.functional.linear(act(gate) * up, self.down_proj[i])
 
 
 class MoEMLP(nn.Module):
@@ -114,9 +147,8 @@ class MoEMLP(nn.Module):
         self.gate.weight.sequence_parallel = tp > 1
         self.ffn_per_rank = ffn
         local = cfg.num_experts // ep
-        self.experts = ExpertShard(range(group_rank(ep_group) * local,
-                                         (group_rank(ep_group) + 1) * local),
-                                   lambda: Expert(cfg.hidden_size, ffn, dtype, device))
+        self.experts = StackedExperts(group_rank(ep_group) * local, local, cfg.hidden_size, ffn,
+                                      dtype, device)
         self.act = activation(cfg.hidden_act)
         self.tp = tp
         # router losses (training only; 0: off), set by the training engine from the run's
@@ -139,8 +171,8 @@ class MoEMLP(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, (weights if self.weights_in_fp32 else weights.to(x.dtype)), experts
 
-    # The rollout sets it where its decode step runs in CUDA graphs or compiled: the sparse
-    # path asks the host for the tokens per expert, which a captured graph cannot do
+    # The rollout sets it where its decode step runs in CUDA graphs or compiled: nothing may
+    # ask the host for the tokens per expert (the loop does), which a captured graph cannot do
     sync_free = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,8 +180,10 @@ class MoEMLP(nn.Module):
             raise RuntimeError("the sync-free MoE form needs every expert on this rank (no EP)")
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
         logits, weights, experts = self.route(x)
-        out = self._every_expert(x, weights, experts) if self.sync_free else \
-            self._routed(x, weights, experts)
+        if self.sync_free and not grouped_mm_runs(x, self.ffn_per_rank):
+            out = self._every_expert(x, weights, experts)
+        else:       # sync-free where the grouped GEMM runs and there is no EP
+            out = self._routed(x, weights, experts)
         if (self.aux_loss_coef or self.z_loss_coef) and self.training and \
                 torch.is_grad_enabled():
             out = _AddLossGradient.apply(out, self._router_loss(logits, experts))
@@ -177,65 +211,72 @@ class MoEMLP(nn.Module):
 
     def _every_expert(self, x, weights, experts) -> torch.Tensor:
         """Every expert over every token, scaled by the token's routing weight (0 where not
-        routed): no host synchronisation, num_experts / top_k times the expert FLOPs (decode
-        batches). The same sum, in the same expert order, as _routed."""
+        routed): no host synchronisation, num_experts / top_k times the expert FLOPs; the
+        sync-free form where the grouped GEMM does not run. The same sum, in the same expert
+        order, as the loop."""
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
         dense.scatter_(1, experts, weights)
         out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out = out + (expert(x, self.act) * dense[:, e:e + 1]).to(x.dtype)
+        for e in range(len(self.experts)):
+            out = out + (self.experts.run(e, x, self.act) * dense[:, e:e + 1]).to(x.dtype)
         return out
 
     def _routed(self, x, weights, experts) -> torch.Tensor:
-        """Each expert over the tokens routed to it (Megatron's SequentialMLP); under EP, over
-        the rows every rank of the EP group routed to it (parallel.experts)."""
+        """Each expert over the tokens routed to it, grouped or one after another (module doc);
+        under EP, over the rows every rank of the EP group routed to it (parallel.experts)."""
         # the (token, slot) pairs sorted by expert: each expert reads one contiguous block
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # each expert's end in the sorted ids by binary search: on the device (bincount's CUDA
+        # kernel asks the host for the largest id first)
+        ends = torch.searchsorted(flat[order], torch.arange(self.num_experts, device=x.device),
+                                  right=True)
         routed = x[tokens]
-        sent = dispatch(routed, counts, self.ep_group) if group_size(self.ep_group) > 1 \
-            else None
-        rows = routed if sent is None else sent.rows
-        if grouped_mm_runs(rows, self.ffn_per_rank):
-            # no host sync without EP: the group offsets stay on the device
-            counts = counts if sent is None else torch.tensor(sent.expert_counts,
-                                                              device=rows.device)
-            y = self._grouped(rows, torch.cumsum(counts, 0).to(torch.int32))
+        if group_size(self.ep_group) > 1:
+            sent = dispatch(routed, torch.diff(ends, prepend=ends.new_zeros(1)), self.ep_group)
+            rows, counts = sent.rows, sent.expert_counts
+            ends = torch.cumsum(torch.tensor(counts, device=x.device), 0)
         else:
-            y = self._loop(rows, counts.tolist() if sent is None else sent.expert_counts)
+            sent, rows = None, routed
+        if grouped_mm_runs(rows, self.ffn_per_rank):
+            y = self._grouped(rows, ends.to(torch.int32))
+        else:
+            y = self._loop(rows, torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+                           if sent is None else counts)
         if sent is not None:
             y = combine(y, sent)
         scale = weights.reshape(-1)[order].unsqueeze(-1)
         y = (y * scale).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, y)
 
-
     def _loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows grouped by local expert, counts[e] of them each: one expert call per group."""
         outs, start = [], 0
-        for expert, n in zip(self.experts, counts):
+        for e, n in enumerate(counts):
             if n:
-                outs.append(expert(rows[start:start + n], self.act))
+                outs.append(self.experts.run(e, rows[start:start + n], self.act))
             start += n
         return torch.cat(outs) if outs else rows[:0]
 
     def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The same as _loop in two grouped GEMMs (offsets: the groups' int32 ends): the local
-        experts' weights stacked [E, N, K] and read transposed (the column-major operand the
-        CUDA kernel takes); gradients flow back to each expert's own weights."""
-        gate_up = torch.stack([e.gate_up_proj.weight for e in self.experts])
-        down = torch.stack([e.down_proj.weight for e in self.experts])
-        h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
-        gate, up = h.split(h.shape[-1] // 2, dim=-1)
-        return torch._grouped_mm(self.act(gate) * up, down.transpose(-2, -1), offs=offsets)
+        """The same as _loop in two grouped GEMMs (offsets: the groups' int32 ends, on the
+        device). The stacked [E, out, in] parameters are read transposed, [E, in, out] views of
+        the parameters themselves: the column-major operand the CUDA kernel takes, no copy;
+        gradients land in the stacked parameters."""
+        experts = self.experts
+        h = torch._grouped_mm(rows, experts.gate_up_proj.transpose(-2, -1), offs=offsets)
+        gate, up = h.split(experts.ffn_per_rank, dim=-1)
+        return torch._grouped_mm(self.act(gate) * up, experts.down_proj.transpose(-2, -1),
+                                 offs=offsets)
 
 
 def grouped_mm_runs(x: torch.Tensor, ffn: int) -> bool:
     """Whether torch's grouped GEMM takes x [rows, hidden] into experts of ffn units: CPU in
-    fp32/bf16, CUDA in bf16 on sm90 and newer (its CUTLASS kernel), rows of both widths 16-byte
-    aligned; float64 (the gradient tests), odd widths and older GPUs take the loop."""
+    fp32/bf16, CUDA in bf16 on sm90 and newer (its CUTLASS kernel, which reads the offsets on
+    the device: CUDA-graph capturable; torch's fallback for older GPUs syncs), rows of both
+    widths 16-byte aligned; float64 (the gradient tests), odd widths and older GPUs take the
+    loop (or, sync-free, every expert)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     if (x.shape[-1] * x.element_size()) % 16 or (ffn * x.element_size()) % 16 or not ffn:

@@ -160,12 +160,11 @@ class MemoryPlan:
 # --- one rank --------------------------------------------------------------------------------
 
 def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
-                 value_head: bool = False, vocab_rows: int | None = None, ep: int = 1,
-                 ep_rank: int = 0):
+                 value_head: bool = False, vocab_rows: int | None = None, ep: int = 1):
     """[(name, shape)] of one rank's Decoder shard in named_parameters() order, layer names with
     the global layer index. vocab_rows: rows of a vocabulary shard (default the tp-padded split;
-    a generation shard keeps the training padding, hybrid/plan.py). ep: the experts of EP rank
-    ep_rank only (E/ep of them; the same count on every EP rank)."""
+    a generation shard keeps the training padding, hybrid/plan.py). ep: one EP rank's experts
+    (E/ep of them, stacked, models.moe; the same shapes on every EP rank)."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
     qkv, q = (cfg.num_heads + 2 * cfg.num_kv_heads) * d // tp, cfg.num_heads * d // tp
     rows = vocab_rows or padded_vocab_size(cfg.vocab_size, tp) // tp
@@ -183,10 +182,9 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
         if cfg.is_moe_layer(layer):         # models.moe: the router whole, experts split
             e = cfg.moe_intermediate_size // tp
             out += [(n + "mlp.gate.weight", (cfg.num_experts, h))]
-            local = cfg.num_experts // ep
-            out += [item for x in range(ep_rank * local, (ep_rank + 1) * local)
-                    for item in ((f"{n}mlp.experts.{x}.gate_up_proj.weight", (2 * e, h)),
-                                 (f"{n}mlp.experts.{x}.down_proj.weight", (h, e)))]
+            local = cfg.num_experts // ep       # stacked: E/ep experts in two parameters
+            out += [(n + "mlp.experts.gate_up_proj", (local, 2 * e, h)),
+                    (n + "mlp.experts.down_proj", (local, h, e))]
         else:
             out += [(n + "mlp.gate_up_proj.weight", (2 * i, h)),
                     (n + "mlp.down_proj.weight", (h, i))]
@@ -302,7 +300,8 @@ def reshard_memory(actor: RoleSpec, g: RolloutSpec,
     align = max(1, ARENA_ALIGN_BYTES // e)
     padded = lambda shape: -(-math.prod(shape) // align) * align     # noqa: E731
     arena = sum(padded(s) for n, s in gen if mine.get(n) != s)
-    # EP (hybrid.experts): every expert gathered at training TP first, into a buffer
+    # EP (hybrid.experts): every expert gathered at training TP first, into a buffer (the
+    # stacked parameters are the gather's input: no packed copy)
     gathered = sum(math.prod(s) for n, s in stage_params(cfg, lay.tp, lay.pp, pp_rank)
                    if is_expert_param(n)) if lay.ep > 1 else 0
     shared = sum(math.prod(s) for n, s in gen if mine.get(n) == s
