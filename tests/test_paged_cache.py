@@ -1,7 +1,8 @@
 """The paged KV cache (rollout/paged_cache.py): block-manager invariants under random admit /
 grow / finish / preempt, prefix sharing, attention through block tables against dense fp64 and
-the static-slot cache, a toy generation with sharing and preemption against dense generation,
-and the Triton paged decode kernel in the interpreter. ~15 s on CPU."""
+the static-slot cache (and the runner's padded cached-prefix prefill), a toy generation with
+sharing and preemption against dense generation, and the Triton paged decode kernel (plain and
+fused with RoPE and the cache write) and the engine on it in the interpreter. ~20 s on CPU."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ import torch
 
 from hybridengine.rollout.attention import DecodeContext
 from hybridengine.rollout.kv_cache import KVCache
+from hybridengine.rollout.paged_context import padded_prefix_attention
 from hybridengine.rollout.paged_cache import (BlockAllocator, BlockTables, PagedKVCache,
                                               paged_decode_attention, paged_prefill_attention)
 
@@ -231,9 +233,21 @@ def test_paged_attention_matches_dense_fp64(hq, hkv, bs):
     cu = torch.tensor([0] + new).cumsum(0)
     qp = torch.randn(int(cu[-1]), hq, d, generator=g, dtype=torch.float64)
     out = paged_prefill_attention(qp, cache.k[0], cache.v[0], bt, cu, torch.tensor(lens), scale)
+    # the runner's form: keys gathered into right-padded rows of N, the new queries placed at
+    # their positions (padding keys: the scratch block's slot 0), one causal SDPA
+    N = max(lens)
+    key_slots = torch.full((B, N), num_blocks * bs)
+    q_index = []
+    for b, n in enumerate(lens):
+        p = torch.arange(n)
+        key_slots[b, :n] = bt[b, p // bs].long() * bs + p % bs
+        q_index += [b * N + i for i in range(n - new[b], n)]
+    padded = padded_prefix_attention(qp * scale * d ** 0.5, cache.k[0], cache.v[0],
+                                     key_slots.view(-1), torch.tensor(q_index), B, N)
     for b, n in enumerate(lens):
         ref = _dense_attention(qp[cu[b]:cu[b + 1]], *dense_kv(b, n), scale)
         assert (out[cu[b]:cu[b + 1]] - ref).abs().max() < 1e-12, b
+        assert (padded[cu[b]:cu[b + 1]] - ref).abs().max() < 1e-12, b
 
 
 @pytest.mark.parametrize("hq,hkv", [(14, 2), (9, 3)])
@@ -356,10 +370,13 @@ TRITON_CHECK = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
 import hybridengine.kernels.decode_attention as da
-from hybridengine.kernels.paged_decode_attention import paged_decode_attention
+from hybridengine.kernels.paged_decode_attention import (paged_decode_attention,
+                                                         paged_decode_attention_rope)
+from hybridengine.models.attention import RotaryEmbedding, apply_rope
 from hybridengine.rollout import paged_cache
 torch.manual_seed(0)
 d, num_blocks, W = 64, 20, 6
+rope = RotaryEmbedding(d, 10000.0)
 # 64 "SMs": several splits (empty ones too) and the merge; 1: one split. A block_size of 5:
 # tiles straddle blocks. The last row is a CUDA-graph padding row (the scratch block).
 for hq, hkv, bs, dtype, tol, sms in ((14, 2, 16, torch.float32, 1e-5, 64),
@@ -377,6 +394,25 @@ for hq, hkv, bs, dtype, tol, sms in ((14, 2, 16, torch.float32, 1e-5, 64),
     ref = paged_cache.paged_decode_attention(q.double(), k.double(), v.double(), bt, lens, 0.2)
     err = (out.double() - ref).abs().max().item()
     assert out.dtype == dtype and out.shape == q.shape and err < tol, (hq, bs, dtype, err)
+    # the fused form: q and k_new rotated, k_new / v_new written at each row's slot (position
+    # lens - 1 through its table; the padding row's: the scratch block), the new token from
+    # registers; against apply_rope (tables rounded as it does), the write, the reference
+    pos = (lens - 1).long()
+    slot_mapping = bt[torch.arange(5), pos // bs].long() * bs + pos % bs
+    slot_mapping[-1] = num_blocks * bs
+    cos, sin = rope(pos)
+    k_new, v_new = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    kc, vc = k.clone(), v.clone()
+    out = paged_decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, bt, slot_mapping, lens)
+    qk = apply_rope(qkv[:, :hq + hkv].float(), cos.to(dtype).float(), sin.to(dtype).float())
+    qk = qk.to(dtype)
+    kf, vf = k.view(-1, hkv, d), v.view(-1, hkv, d)
+    kf[slot_mapping], vf[slot_mapping] = qk[:, hq:], v_new
+    assert torch.equal(kc, k) and torch.equal(vc, v), (hq, bs, dtype)     # bit for bit
+    ref = paged_cache.paged_decode_attention(qk[:, :hq].double(), k.double(), v.double(), bt,
+                                             lens, d ** -0.5)
+    err = (out.double() - ref).abs().max().item()
+    assert out.dtype == dtype and err < tol, (hq, bs, dtype, err, "rope")
 # the prefill's Triton cache write takes (block, offset) for (slot, position) unchanged
 from hybridengine.kernels.kv_write import write_kv_rows
 cache = paged_cache.PagedKVCache(1, num_blocks, 5, 2, 16, torch.float32, torch.device("cpu"))
@@ -386,14 +422,43 @@ cache.write(0, slots, kk, vv)
 k, v = torch.zeros_like(cache.k[0]), torch.zeros_like(cache.v[0])
 write_kv_rows(k, v, slots // 5, slots % 5, kk, vv, torch.arange(30))
 assert torch.equal(k, cache.k[0]) and torch.equal(v, cache.v[0])
+# The engine on the paged layout with the triton backend (RoPE and the cache write fused into
+# the kernel, or before it), eager and graph-shaped, with preemption and prefix hits: the
+# static layout's greedy tokens and log-probs
+from dataclasses import replace
+from hybridengine.kernels.settings import RolloutKernelSettings
+from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.rollout.engine import Engine
+from hybridengine.rollout.rollout_config import RolloutConfig
+from hybridengine.rollout.sampling import SamplingParams
+cfg = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16)
+model = Decoder(cfg)
+prompts = [[1, 2, 3], [7] * 20, [4, 9], [7] * 20 + [5]]
+params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+base = RolloutConfig(max_num_seqs=4, max_model_len=32, max_prefill_tokens=64,
+                     attn_backend="sdpa")
+ref = Engine(model, base).generate(prompts, params)
+for fused, graph_shaped in ((True, True), (False, False)):
+    engine = Engine(model, replace(base, attn_backend="triton", kv_layout="paged", block_size=4,
+                                   kv_cache_tokens=12 * 4,
+                                   kernels=RolloutKernelSettings(fused_rope=fused)))
+    engine.runner.static_shapes = graph_shaped
+    got = engine.generate(prompts, params)
+    assert engine.runner.backend == "triton" and engine.stats["num_preemptions"] > 0
+    assert engine.stats["num_prefix_cached_tokens"] > 0
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids, (fused, graph_shaped)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 print("ok")
 """
 
 
 def test_triton_paged_decode_attention_matches_the_reference_in_the_interpreter():
-    """The Triton paged kernel against paged_cache.paged_decode_attention (fp64), and the
-    prefill's Triton cache write into blocks, run by Triton's CPU interpreter in a fresh
-    process (TRITON_INTERPRET=1 before the import)."""
+    """The Triton paged kernel, plain and with RoPE and the cache write fused, against
+    paged_cache.paged_decode_attention (fp64), the prefill's Triton cache write into blocks, and
+    the paged engine on the triton backend against the static engine, run by Triton's CPU
+    interpreter in a fresh process (TRITON_INTERPRET=1 before the import)."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))

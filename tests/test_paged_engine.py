@@ -1,9 +1,11 @@
 """The engine with the paged KV cache (RolloutConfig.kv_layout="paged") against the static
 layout, token for token: greedy and seeded sampling with n > 1 (samples share their prompt's
 blocks), equal prompts in one batch (prefix-cache hits within a prefill), a cache so small that
-sequences are preempted and recomputed, finished flags read one step late (the CUDA schedule).
+sequences are preempted and recomputed, finished flags read one step late (the CUDA schedule);
+eager and graph-shaped (the CUDA-graph path without capture: bucket padding, fixed-width
+tables in static buffers), and compiled (aot_eager; inductor on the CPU for the decode step).
 Log-probs agree within 1e-5 (a recomputed or prefix-hit prefill rounds differently from decode
-steps). ~10 s on CPU."""
+steps). ~40 s on CPU (the compiled cases ~25 of them; more with a cold inductor cache)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -16,7 +18,7 @@ from hybridengine.models.hf import load_decoder
 from hybridengine.rollout.engine import Engine
 from hybridengine.rollout.paged_cache import BlockAllocator, BlockTables
 from hybridengine.rollout.paged_scheduler import PagedScheduler
-from hybridengine.rollout.rollout_config import RolloutConfig
+from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams
 from hybridengine.rollout.scheduler import Sequence
 from model_utils import save_tiny
@@ -42,10 +44,11 @@ def prompts():
     return out + [out[1], out[5]]          # equal prompts in one batch
 
 
-def _generate(model, prompts, params, lag=0, **kw):
+def _generate(model, prompts, params, lag=0, graph_shaped=False, **kw):
     engine = Engine(model, RolloutConfig(max_num_seqs=kw.pop("max_num_seqs", 32),
                                          max_model_len=MAX_LEN, max_prefill_tokens=128, **kw))
     engine.steps_in_flight = lag
+    engine.runner.static_shapes = graph_shaped   # the CUDA-graph shapes, without capture
     return engine.generate(prompts, params), engine
 
 
@@ -75,12 +78,15 @@ def static_refs(model, prompts):
 @pytest.mark.parametrize("case", ["greedy", "stop", "sampled"])
 @pytest.mark.parametrize("budget", ["ample", "small"])
 @pytest.mark.parametrize("lag", [0, 1])
-def test_paged_equals_static(model, prompts, static_refs, case, budget, lag):
+@pytest.mark.parametrize("graph_shaped", [False, True], ids=["eager", "graph_shaped"])
+def test_paged_equals_static(model, prompts, static_refs, case, budget, lag, graph_shaped):
     params, ref = static_refs[case]
     kw = SMALL if budget == "small" else {}
     got, engine = _generate(model, prompts, params, lag=lag, kv_layout="paged", block_size=4,
-                            **kw)
+                            graph_shaped=graph_shaped, **kw)
     _assert_same(got, ref)
+    runner = engine.runner
+    assert runner.backend == "sdpa" and runner.width == 10 and runner.tables.shape == (32, 10)
     s = engine.stats
     assert s["kv_layout"] == "paged" and not s["cuda_graphs"]
     # equal prompts (and the n samples' later admissions) hit the prefix cache
@@ -94,6 +100,40 @@ def test_paged_equals_static(model, prompts, static_refs, case, budget, lag):
         assert s["num_blocks"] == 32 * 10 and s["num_preemptions"] == 0
     if case == "stop":
         assert {r.finish_reason for r in got} == {"stop", "length"}
+
+
+def test_compiled_paged_steps_equal_static(model, prompts, static_refs):
+    """compile and compile_prefill (aot_eager: dynamo's graphs and guards) on one engine:
+    graph-shaped greedy and sampled runs with preemption and prefix hits (the three prefill
+    forms: varlen, past a cached prefix, a lone group with its dummy), then eager-shaped (the
+    tables at the engine's width, max_k keys); every prefill stays compiled."""
+    engine = Engine(model, RolloutConfig(max_num_seqs=32, max_model_len=MAX_LEN,
+                                         max_prefill_tokens=128, kv_layout="paged",
+                                         block_size=4, compile=CompileMode.AOT_EAGER,
+                                         compile_prefill=CompileMode.AOT_EAGER, **SMALL))
+    engine.steps_in_flight = 1
+    runner = engine.runner
+    assert runner.compiled and runner.prefill_compiled
+    for graph_shaped, case in ((True, "greedy"), (True, "sampled"), (False, "sampled")):
+        params, ref = static_refs[case]
+        runner.static_shapes = graph_shaped
+        _assert_same(engine.generate(prompts, params), ref)
+        assert engine.stats["num_preemptions"] > 0 and engine.stats["num_prefix_cached_tokens"]
+    params, ref = static_refs["greedy"]
+    _assert_same(engine.generate(prompts[:1], params), ref[:1])            # one group
+    assert runner.prefill_compiled, "a compiled prefill fell back to eager"
+    assert runner.buckets[0] == 2                          # no bucket of size 1
+
+
+def test_inductor_compiles_the_graph_shaped_paged_decode_on_cpu(model, prompts, static_refs):
+    """The graph-shaped paged decode step through inductor (its CPU code), with preemption:
+    the static layout's greedy tokens."""
+    params, ref = static_refs["greedy"]
+    got, engine = _generate(model, prompts[:4], params, lag=1, graph_shaped=True,
+                            kv_layout="paged", block_size=4, compile=CompileMode.INDUCTOR,
+                            kv_cache_tokens=11 * 4)
+    _assert_same(got, ref[:4])
+    assert engine.stats["num_preemptions"] > 0
 
 
 def test_few_rows_run_in_waves_and_default_block_size(model, prompts, static_refs):
@@ -182,3 +222,21 @@ def test_trainer_with_the_paged_layout_takes_the_static_run_s_step(tmp_path):
     keys = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/entropy")
     assert [rows["paged"][k] for k in keys] == [rows["static"][k] for k in keys]
     assert rows["paged"]["rollout/preemptions"] == 0
+
+
+def test_bench_rollout_takes_the_paged_layout_samples_and_response_lengths(capsys):
+    """tools/bench_rollout.py --kv-layout paged --n 2 --response-lengths lognormal:MEAN:SIGMA
+    (CPU smoke run): per-prompt budgets from the log-normal, n samples each, the paged stats."""
+    import json
+    from tool_utils import load_tool
+    bench = load_tool("bench_rollout")
+    lengths = bench.response_lengths("lognormal:4:0.8", 64, 8)
+    assert min(lengths) >= 1 and max(lengths) <= 8 and len(set(lengths)) > 3
+    bench.main(["--tiny", "--kv-layout", "paged", "--n", "2", "--response-lengths",
+                "lognormal:4:0.5", "--repeat", "1", "--variants", "static"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 2 and out["ours"]["kv_layout"] == "paged" and out["ours"]["num_blocks"]
+    assert out["variants"]["static"]["kv_layout"] == "static"
+    assert out["ours"]["logprob_max_abs_diff_vs_training_forward"] < 1e-4
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--response-lengths", "normal:4:1"])

@@ -8,6 +8,10 @@ check of its log-probs against the training forward. JSON to stdout, progress to
 
     python tools/bench_rollout.py [--model qwen2.5-0.5b] [--batch 256] [--prompt-len 512]
                                   [--new-tokens 256] [--hf] [--variants sdpa,eager] [--profile]
+                                  [--kv-layout paged] [--n 8] [--response-lengths lognormal:M:S]
+--n: samples per prompt (batch · n sequences); --response-lengths lognormal:MEAN:SIGMA: each
+prompt's token budget drawn from a log-normal of mean MEAN tokens (SIGMA: the underlying
+normal's), clipped to [1, --new-tokens], as RL responses spread (default: all --new-tokens).
 --profile: one more generate under torch.profiler; "profile": its kernels (tools/profiling.py).
     python tools/bench_rollout.py --tiny [--hf] [--model M]   # CPU smoke run: M's family, tiny
 """
@@ -15,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
+import math
 import os
 import sys
 import time
@@ -30,13 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridengine.models.decoder import Decoder, ModelConfig  # noqa: E402
 from hybridengine.kernels import sampler as fused_sampler  # noqa: E402
 from hybridengine.kernels.settings import RolloutKernelSettings  # noqa: E402
-from hybridengine.rollout.engine import Engine, max_logprob_gap  # noqa: E402
-from hybridengine.rollout.rollout_config import (BACKENDS, PREFILL_ATTENTION,  # noqa: E402
-                                                 CompileMode, RolloutConfig)
+from hybridengine.rollout.engine import Engine  # noqa: E402
+from hybridengine.rollout.rollout_config import (BACKENDS, KV_LAYOUTS,  # noqa: E402
+                                                 PREFILL_ATTENTION, CompileMode, RolloutConfig)
 from hybridengine.rollout.sampling import SamplingParams  # noqa: E402
-from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from profiling import profile_ranges  # noqa: E402
+# the HF / vLLM peers and the helpers they share (log, sync, logprob_check): importable here
+from rollout_peers import bench_hf, bench_vllm, log, logprob_check, sync  # noqa: E402
 
 
 def model_shape(model: str, tiny: bool, vllm: bool) -> tuple[ModelConfig, str]:
@@ -47,15 +52,6 @@ def model_shape(model: str, tiny: bool, vllm: bool) -> tuple[ModelConfig, str]:
         small = replace(small, hidden_size=128, intermediate_size=256, head_dim=32)
     return (small, "tiny" if model == "qwen2.5-0.5b" else f"tiny-{model}") if tiny \
         else (full, f"{model}-shape")
-
-
-def log(msg: str) -> None:
-    print(f"[bench_rollout] {msg}", file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0,
@@ -70,9 +66,17 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0,
     return [p[:n] for p, n in zip(ids, lens)]
 
 
-def logprob_check(model, prompts, results, num: int = 4) -> float:
-    """Max |engine logprob - training-forward logprob| over the first `num` sequences."""
-    return max_logprob_gap(model, prompts, results[:num])
+def response_lengths(spec: str | None, batch: int, new_tokens: int,
+                     seed: int = 1) -> list[int] | None:
+    """Per-prompt token budgets of --response-lengths lognormal:MEAN:SIGMA (None: none)."""
+    if spec is None:
+        return None
+    _, mean, sigma = spec.split(":")
+    mean, sigma = float(mean), float(sigma)
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(batch, generator=g, dtype=torch.float64)
+    x = torch.exp(math.log(mean) - sigma ** 2 / 2 + sigma * z)         # E[x] = mean
+    return x.round().clamp(1, new_tokens).long().tolist()
 
 
 def kernel_settings(args) -> RolloutKernelSettings:
@@ -99,9 +103,10 @@ def kernel_settings(args) -> RolloutKernelSettings:
 def rollout_config(args) -> RolloutConfig:
     """The engine's config that the arguments name: a row per prompt and the cache sized for
     them (so that every variant runs the same batch), the flags' knobs, kernel_settings."""
-    max_len = args.prompt_len + args.new_tokens
-    return RolloutConfig(max_num_seqs=args.batch, max_model_len=max_len,
-                         kv_cache_tokens=(args.batch + 1) * max_len,
+    max_len, seqs = args.prompt_len + args.new_tokens, args.batch * args.n
+    return RolloutConfig(max_num_seqs=seqs, max_model_len=max_len,
+                         kv_cache_tokens=(seqs + 1) * max_len, kv_layout=args.kv_layout,
+                         block_size=args.block_size,
                          max_prefill_tokens=max(args.max_prefill_tokens, max_len),
                          enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,
                          compile_prefill=args.compile_prefill,
@@ -129,8 +134,9 @@ def bench_engine(model, prompts, args, device) -> dict:
 def build_engine(model, args) -> tuple[Engine, SamplingParams]:
     """The benchmark's engine (rollout_config) and its sampling."""
     engine = Engine(model, rollout_config(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, max_tokens=args.new_tokens, ignore_eos=True,
+                            seed=0)
     return engine, params
 
 
@@ -142,22 +148,23 @@ def _bench_engine(model, prompts, args, device) -> dict:
     engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
     sync(device)
     warmup_s = time.perf_counter() - t0
-    log(f"engine: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens, "
+    log(f"engine: {args.batch} x {args.n} x ({args.prompt_len} + {args.new_tokens}) tokens, "
         f"{args.repeat} run(s)")
+    lengths = response_lengths(args.response_lengths, len(prompts), args.new_tokens)
     runs = []
     for _ in range(args.repeat):
         sync(device)
         t0 = time.perf_counter()
-        results = engine.generate(prompts, params)
+        results = engine.generate(prompts, params, max_tokens=lengths)
         sync(device)
         runs.append((time.perf_counter() - t0, results, engine.stats))
     # the median run's figures: one generate is ~0.65 s on an H200, and single runs of the same
     # code spread by ~1.5% (mostly the host's result conversion)
     sec, results, stats = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
     generated = sum(len(r.token_ids) for r in results)
-    if generated != args.batch * args.new_tokens:
-        raise RuntimeError(f"engine generated {generated} tokens, expected "
-                           f"{args.batch * args.new_tokens}")
+    expected = args.n * (sum(lengths) if lengths else len(prompts) * args.new_tokens)
+    if generated != expected:
+        raise RuntimeError(f"engine generated {generated} tokens, expected {expected}")
     out = {"seconds": sec, "generated_tokens_per_s": generated / sec,
            "total_tokens_per_s": (generated + sum(map(len, prompts))) / sec,
            "runs_s": [run[0] for run in runs],
@@ -166,7 +173,9 @@ def _bench_engine(model, prompts, args, device) -> dict:
     out.update({k: stats[k] for k in ("prefill_s", "decode_s", "num_prefill_steps",
                                       "num_decode_steps", "host_setup_s", "host_results_s",
                                       "attn_backend", "prefill_attention", "cuda_graphs",
-                                      "num_slots")})
+                                      "num_slots", "kv_layout", "num_preemptions",
+                                      "max_concurrent")})
+    out.update({k: stats[k] for k in ("num_blocks", "num_prefix_cached_tokens") if k in stats})
     out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
     settings = engine.runner.kernel_settings
     out["fused_sampler"] = settings.fused_sampler and fused_sampler.available(device)
@@ -190,63 +199,6 @@ def profile_generate(engine, prompts, params) -> dict:
     return table
 
 
-def bench_hf(cfg: ModelConfig, prompts, args, device, dtype) -> dict:
-    from transformers import AutoModelForCausalLM
-    hf_cfg = hf_config(replace(cfg, max_position_embeddings=4096))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
-    model = model.to(dtype).eval()
-    ids = torch.tensor(prompts, device=device)
-    kw = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p,
-              top_k=max(args.top_k, 0), attention_mask=torch.ones_like(ids), pad_token_id=0)
-    log("hf warm-up")
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
-        log(f"hf generate: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens")
-        sync(device)
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                             **kw)
-        sync(device)
-    sec = time.perf_counter() - t0
-    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    del model
-    return {"seconds": sec, "generated_tokens_per_s": generated / sec,
-            "total_tokens_per_s": out.numel() / sec}
-
-
-def bench_vllm(cfg: ModelConfig, model, prompts, args, dtype) -> dict:
-    """The vLLM backend on the same weights and prompts (its engine start is not timed)."""
-    import tempfile
-    from hybridengine.hybrid.hf_stream import hf_weight_stream
-    from hybridengine.rollout.vllm import VllmRollout
-    max_len = args.prompt_len + args.new_tokens
-    with tempfile.TemporaryDirectory() as model_dir:     # config.json only: weights come below
-        hf_config(replace(cfg, max_position_embeddings=max_len)).save_pretrained(model_dir)
-        log("vllm: engine start")
-        rollout = VllmRollout(model_dir, cfg, 1, dtype=dtype, max_model_len=max_len,
-                              max_num_seqs=args.batch, enforce_eager=args.eager)
-    try:
-        sync_s = rollout.update_weights(functools.partial(hf_weight_stream, model, None, 256.0)
-                                        )["weight_sync_s"]
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, max_tokens=args.new_tokens, ignore_eos=True,
-                                seed=0)
-        rollout.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
-        log(f"vllm: {args.batch} x ({args.prompt_len} + {args.new_tokens}) tokens")
-        t0 = time.perf_counter()
-        results = rollout.generate(prompts, params)
-        sec = time.perf_counter() - t0
-    finally:
-        rollout.close()
-    generated = sum(len(r.token_ids) for r in results)
-    return {"seconds": sec, "generated_tokens_per_s": generated / sec,
-            "total_tokens_per_s": (generated + args.batch * args.prompt_len) / sec,
-            "engine_start_s": rollout.stats["engine_start_s"], "weight_sync_s": sync_s,
-            "logprob_max_abs_diff_vs_training_forward": logprob_check(model, prompts, results)}
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-0.5b", choices=tuple(SHAPES))
@@ -254,6 +206,12 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
+    ap.add_argument("--response-lengths", default=None, metavar="lognormal:MEAN:SIGMA",
+                    help="per-prompt token budgets from a log-normal (module doc)")
+    ap.add_argument("--kv-layout", default="static", choices=KV_LAYOUTS,
+                    help="the KV cache: a max_model_len row per sequence, or blocks")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (paged)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed generate calls after the warm-up; the median one is reported "
                          "(all in runs_s)")
@@ -305,7 +263,8 @@ def parse_args(argv=None):
                          "prefill_cpp_wrapper (the compiled prefill launched from C++), "
                          "prefill_varlen / prefill_dense (--prefill-attention), "
                          "decode_launch_env (--decode-launch $DECODE_LAUNCH), kv_write_torch "
-                         "(--kv-write torch), no_pdl (--no-pdl), no_prefetch (--no-prefetch); "
+                         "(--kv-write torch), no_pdl (--no-pdl), no_prefetch (--no-prefetch), "
+                         "paged / static (--kv-layout); "
                          "'+' combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -319,6 +278,21 @@ def parse_args(argv=None):
         ap.error("--prompt-len-min: the HF and vLLM peers take prompts of one length")
     if args.repeat < 1:
         ap.error(f"--repeat={args.repeat}: at least one timed run")
+    if args.n < 1:
+        ap.error(f"--n={args.n}: at least one sample per prompt")
+    if args.response_lengths is not None:
+        parts = args.response_lengths.split(":")
+        try:
+            ok = len(parts) == 3 and parts[0] == "lognormal" and float(parts[1]) > 0 and \
+                float(parts[2]) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"--response-lengths={args.response_lengths}: lognormal:MEAN:SIGMA with "
+                     f"MEAN > 0 and SIGMA >= 0")
+    if (args.n > 1 or args.response_lengths) and (args.hf or args.vllm):
+        ap.error("--n / --response-lengths: the HF and vLLM peers take one sample of "
+                 "--new-tokens per prompt")
     if args.tiny:
         args.batch, args.prompt_len = min(args.batch, 4), min(args.prompt_len, 16)
         args.new_tokens = min(args.new_tokens, 8)
@@ -345,6 +319,7 @@ def main(argv=None) -> None:
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "model": shape, "dtype": str(dtype),
            "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "n": args.n, "response_lengths": args.response_lengths,
            "prompt_len_min": args.prompt_len_min, "prompt_tokens": sum(map(len, prompts)),
            "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                         "top_k": args.top_k},
@@ -378,7 +353,8 @@ def main(argv=None) -> None:
              "prefill_dense": {"prefill_attention": "dense"},
              "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")},
              "kv_write_torch": {"kv_write": "torch"}, "no_pdl": {"no_pdl": True},
-             "no_prefetch": {"no_prefetch": True}}
+             "no_prefetch": {"no_prefetch": True}, "paged": {"kv_layout": "paged"},
+             "static": {"kv_layout": "static"}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

@@ -1,6 +1,8 @@
 """Split-KV decode attention through block tables (the paged KV cache), in Triton.
 
     paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -> [B, h_q, d]
+    paged_decode_attention_rope(q, k_new, v_new, cos, sin, k_cache, v_cache, block_tables,
+                                slot_mapping, seq_lens) -> [B, h_q, d]
 
 q [B, h_q, d] holds one query token per row; row b attends to the first seq_lens[b] >= 1
 tokens held by the blocks block_tables[b] ([B, W] int32) of the per-layer cache
@@ -12,8 +14,16 @@ The kernel is decode_attention.py's split kernel with the key address taken thro
 table: one program per (row, K/V head, split of the keys) computes the G query heads of that
 K/V head as the rows of one tile (each K/V byte read once per step), and decode_attention's
 merge kernel combines the splits. A tile of BLOCK_N keys loads the block id of each key, so
-any block_size works and a tile may straddle blocks (not measured on a GPU yet). Splits are cut from W·block_size, a static shape, so the launch depends on (B, W)
-only and a decode step that calls it can be captured in a CUDA graph.
+any block_size works and a tile may straddle blocks (not measured on a GPU yet). Splits are
+cut from W·block_size, a static shape, so the launch depends on (B, W) only and a decode step
+that calls it can be captured in a CUDA graph.
+
+The _rope form is decode_attention_rope's through a table: q and the new key rotated, the new
+K/V stored at the row's flat slot slot_mapping[b] (block·block_size + offset; the scratch
+block's for a padding row or one that finished on the device), and the new token, the
+seq_lens[b]-th, counted from registers: the key loop reads only the first seq_lens[b] - 1
+tokens through the table, so no program reads what another writes. No programmatic dependent
+launch here (not measured for the paged form).
 
 Triton is optional: decode_attention.available() says whether it runs (CUDA, or the CPU
 interpreter under TRITON_INTERPRET=1, set before the import: how the tests check it against
@@ -37,12 +47,15 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _paged_split_kernel(Q, K, V, Tables, Lens, Out, Lse, sm_scale,
-                            stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb,
+    def _paged_split_kernel(Q, K, V, Tables, Lens, Out, Lse, KNew, VNew, Cos, Sin, SlotMap,
+                            sm_scale, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+                            stride_tb, stride_knb, stride_knh, stride_vnb, stride_vnh,
+                            stride_cb, stride_sb,
                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                            NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
+                            PRECISION: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
@@ -52,13 +65,40 @@ if triton is not None:
         heads = j * GROUP + g
         g_ok = g < GROUP
         table = Tables + b.to(tl.int64) * stride_tb
+        # this split's cached keys [start, stop): with NEW_TOKEN the last one is the new
+        # token's, counted from registers below, never read through the table
+        end = seqlen - 1 if NEW_TOKEN else seqlen
         start = s * SPLIT_LEN
-        stop = tl.minimum(start + SPLIT_LEN, seqlen)
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dd[None, :],
-                    mask=g_ok[:, None], other=0.0)
+        stop = tl.minimum(start + SPLIT_LEN, end)
+        q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_ptr + dd[None, :], mask=g_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        if NEW_TOKEN:
+            # As decode_attention's fused form: rotate-half RoPE of q and the new key (the fp32
+            # tables rounded to q's dtype first, as apply_rope does), the new K/V stored at the
+            # row's flat slot (split 0), the new token counted from registers.
+            swap = (dd + HEAD_DIM // 2) % HEAD_DIM
+            cos = tl.load(Cos + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
+            sin = tl.load(Sin + b * stride_sb + dd).to(Q.dtype.element_ty).to(tl.float32)
+            q_sw = tl.load(q_ptr + swap[None, :], mask=g_ok[:, None], other=0.0)
+            q = (q.to(tl.float32) * cos[None, :] + q_sw.to(tl.float32) * sin[None, :]).to(
+                q.dtype)
+            k_ptr = KNew + b * stride_knb + j * stride_knh
+            k_new = tl.load(k_ptr + dd).to(tl.float32) * cos + \
+                tl.load(k_ptr + swap).to(tl.float32) * sin
+            k_new = k_new.to(K.dtype.element_ty)
+            v_new = tl.load(VNew + b * stride_vnb + j * stride_vnh + dd).to(V.dtype.element_ty)
+            if s == 0:
+                slot = tl.load(SlotMap + b)
+                at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + \
+                    j * stride_kh
+                tl.store(K + at + dd, k_new)
+                tl.store(V + at + dd, v_new)
+                m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * sm_scale
+                l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+                acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
         for n0 in range(start, stop, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             p_ok = pos < stop
@@ -77,7 +117,7 @@ if triton is not None:
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
-        # An empty split (start >= seqlen) leaves l_i = 0: output 0, log-sum-exp -inf.
+        # An empty split (start >= its end) leaves l_i = 0: output 0, log-sum-exp -inf.
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
         row_out = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + s   # [B, h_q, splits]
@@ -86,9 +126,11 @@ if triton is not None:
         tl.store(Lse + row_out, lse, mask=g_ok)
 
 
-def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *, block_n: int,
+def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, new=None, *, block_n: int,
             num_warps: int, num_stages: int) -> torch.Tensor:
-    """The split kernel (+ merge). Reads shapes and strides only (nothing synchronises)."""
+    """The split kernel (+ merge); new = (k_new, v_new, cos, sin, slot_mapping) fuses RoPE, the
+    cache write and the new token (paged_decode_attention_rope). Reads shapes and strides only
+    (nothing synchronises)."""
     B, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     W = block_tables.shape[1]
@@ -106,6 +148,15 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *, block_n: int,
         block_tables = block_tables.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
+    fused = new is not None
+    if fused:
+        slot_mapping = new[4]
+        if slot_mapping.shape != (B,) or slot_mapping.dtype != torch.int64:
+            raise ValueError(f"slot_mapping must be [B] int64 (B={B})")
+        new, new_strides = _da._new_token_args(new[:4], B, hkv, d)
+        new = (*new, slot_mapping)
+    else:
+        new, new_strides = (q, q, q, q, seq_lens), (0,) * 6               # unused
     max_len = W * bs
     length = _da.split_len(B, hkv, max_len, _da._num_sms(q.device), block_n)
     splits = math.ceil(max_len / length)
@@ -115,11 +166,13 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *, block_n: int,
         torch.empty(B, hq, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device)
     _paged_split_kernel[(B, hkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, lse, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, out, lse, *new, scale,
         _da.stride_or_zero(q, 0), _da.stride_or_zero(q, 1), k_cache.stride(0),
         k_cache.stride(1), _da.stride_or_zero(k_cache, 2), _da.stride_or_zero(block_tables, 0),
+        *new_strides,
         GROUP=hq // hkv, BLOCK_G=max(_da.MIN_GROUP_ROWS, triton.next_power_of_2(hq // hkv)),
         HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n, SPLIT_LEN=length, NUM_SPLITS=splits,
+        NEW_TOKEN=fused,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
@@ -145,5 +198,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 @paged_decode_attention.register_fake
+def _(q, *args, **kwargs):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("hybridengine::triton_paged_decode_attention_rope",
+                         mutates_args=("k_cache", "v_cache"))
+def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                                cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                                block_n: int = _DEFAULT.decode_block_n,
+                                num_warps: int = _DEFAULT.decode_num_warps,
+                                num_stages: int = _DEFAULT.decode_num_stages) -> torch.Tensor:
+    """One decode step's attention from the unrotated q [B, h_q, d], k_new / v_new [B, h_kv, d]
+    (views of the fused qkv projection) and the fp32 RoPE tables cos, signed sin [B, d]: q and
+    k_new rotated, k_new / v_new written at flat slot slot_mapping[b] (int64), attention over
+    the first seq_lens[b] - 1 (int32) tokens of the blocks block_tables[b] and the new token,
+    in one launch; scale 1/sqrt(d). See the module doc."""
+    return _launch(q, k_cache, v_cache, block_tables, seq_lens, 1.0 / math.sqrt(q.shape[-1]),
+                   (k_new, v_new, cos, sin, slot_mapping), block_n=block_n,
+                   num_warps=num_warps, num_stages=num_stages)
+
+
+@paged_decode_attention_rope.register_fake
 def _(q, *args, **kwargs):
     return q.new_empty(q.shape)

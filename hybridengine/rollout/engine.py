@@ -99,8 +99,9 @@ class Engine:
     KV cache holds at once), max_concurrent (the most that ran at once) and num_waited (those
     that found every slot taken: the batch ran in waves), num_preemptions (0 with static rows).
     With kv_layout="paged" (rollout/paged_runner.py: blocks, prefix sharing, preemption by
-    recompute; eager steps only), num_slots counts rows (max_num_seqs), and num_blocks and
-    num_prefix_cached_tokens (prompt tokens whose prefill a cached prefix skipped) join.
+    recompute; CUDA graphs, compiled steps and the Triton paged decode as the static layout's),
+    num_slots counts rows (max_num_seqs), and num_blocks and num_prefix_cached_tokens (prompt
+    tokens whose prefill a cached prefix skipped) join.
     """
 
     def __init__(self, model, config: RolloutConfig = RolloutConfig(), *, device=None,
@@ -128,11 +129,13 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 prompt_indices: list[int] | None = None) -> list[GenerationResult]:
+                 prompt_indices: list[int] | None = None,
+                 max_tokens: list[int] | None = None) -> list[GenerationResult]:
         """Results ordered prompt-major (prompt i, sample j at i·n + j). Sample j of prompt i
         draws from the random stream of (seed, prompt_indices[i]·n + j), so a caller that hands
         each replica a share of one global batch (the prompts' global indices, one seed for all)
-        samples the same tokens at any number of replicas (default: 0, 1, 2, ...)."""
+        samples the same tokens at any number of replicas (default: 0, 1, 2, ...). max_tokens:
+        a budget per prompt instead of params.max_tokens (a benchmark's response lengths)."""
         t_start = time.perf_counter()
         # token ids: checked by each prefill's plan (numpy) rather than here in Python, where
         # min/max over every prompt cost ~2-3 ms before the first step could start
@@ -143,8 +146,11 @@ class Engine:
         # prompts as given (lists of ints, numpy or tensor ids alike: the prefill plan reads
         # them through numpy); a copy per token cost ~15 ms per 131k prompt tokens
         index = prompt_indices if prompt_indices is not None else range(len(prompts))
+        budget = max_tokens if max_tokens is not None else [params.max_tokens] * len(prompts)
+        if len(budget) != len(prompts) or min(budget) < 1:
+            raise ValueError(f"max_tokens: one budget >= 1 per prompt ({len(prompts)} prompts)")
         seqs = [Sequence(i * params.n + j, i, p if isinstance(p, list) else list(p),
-                         min(params.max_tokens, self.max_model_len - len(p)),
+                         min(budget[i], self.max_model_len - len(p)),
                          sequence_key(seed, index[i] * params.n + j))
                 for i, p in enumerate(prompts) for j in range(params.n)]
         runner = self.runner

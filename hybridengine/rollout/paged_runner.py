@@ -1,15 +1,24 @@
 """The model runner of the paged KV-cache layout (RolloutConfig.kv_layout="paged").
 
-As ModelRunner, whose sampling, commit and collect it reuses, with the cache in blocks
-(paged_cache.PagedKVCache) and the per-sequence state in rows (SlotState, one per
+As ModelRunner, whose sampling, commit, collect and compiled steps it reuses, with the cache in
+blocks (paged_cache.PagedKVCache) and the per-sequence state in rows (SlotState, one per
 max_num_seqs): the scheduler (rollout/paged_scheduler.py) hands each step its rows' flat cache
 slots and block tables. The attention runs through rollout/paged_context.py.
 
-Eager only, for now: no CUDA graphs, no torch.compile, the torch reference attention (no
-flash or Triton decode, no fused RoPE, no dense prefill), whatever the config says; the
-runner gets the config with those settings forced (`eager_config`). A graph-captured paged
-decode needs fixed-width block tables in static buffers and the Triton paged kernel
-(kernels/paged_decode_attention.py).
+Decode: the triton backend (kernels/paged_decode_attention.py; with kernels.fused_rope RoPE and
+the cache write inside it) where Triton runs, else the torch reference (resolve_paged_backend).
+As the static runner's, the step is graph-shaped under CUDA graphs (`static_shapes`; tests set
+it on the CPU to run the same path without capture): its rows padded to a graph bucket with
+the scratch row, whose flat slot is the scratch block's, and every row's block table at the
+fixed width W = ceil(max_model_len / block_size), padded with the scratch block, in static
+buffers (row_ids, slot_mapping, tables) that one host-to-device copy fills before each replay;
+one graph per (sampler mode, bucket), captured on first use. Eager (enforce_eager), a step
+reads the tables at the width the engine hands over and max_k keys.
+Compile: compile / compile_prefill as the static layout (rollout/compile_steps.py: the decode
+forward with its rows marked dynamic, the sampler's bookkeeping, the prefill forward); the
+cache's block count is marked dynamic. The prefill takes one of three forms (varlen or dense
+without a cached prefix, as the static layout's; past one, padded_prefix_attention), each
+compiled when first met.
 
 Sizing: kv_cache_tokens // block_size blocks (one of them scratch), else on CUDA the memory
 budget ModelRunner computes, else a block table of max_model_len for every row (the static
@@ -24,23 +33,36 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from hybridengine.kernels import decode_attention as triton_decode
 from hybridengine.models.attention import PackedInput
-from hybridengine.rollout.decode_graphs import DecodeGraphs
+from hybridengine.rollout.decode_graphs import DecodeGraphs, graph_buckets
 from hybridengine.rollout.kv_cache import kv_bytes_per_token
 from hybridengine.rollout.model_runner import ModelRunner
 from hybridengine.rollout.paged_cache import BlockAllocator, BlockTables, PagedKVCache
 from hybridengine.rollout.paged_context import PagedDecodeContext, PagedPrefillContext
 from hybridengine.rollout.paged_scheduler import PrefillGroup
-from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
+from hybridengine.rollout.prefill_plan import (add_pad_index, add_prefix_index, dense_pays,
+                                               paged_prefill_plan)
+from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.slot_state import Pending, SlotState
 
 
-def eager_config(config: RolloutConfig) -> RolloutConfig:
-    """The settings the paged runner runs with: eager steps, torch attention."""
-    return replace(config, enforce_eager=True, compile=CompileMode.EAGER,
-                   compile_prefill=CompileMode.EAGER, attn_backend="sdpa",
-                   prefill_attention="varlen",
-                   kernels=replace(config.kernels, fused_rope=False))
+def resolve_paged_backend(requested: str, device: torch.device,
+                          heads: tuple[int, int, int]) -> str:
+    """The paged decode backend for a rank holding heads = (q heads, K/V heads, head_dim):
+    triton (the paged kernel; auto: on CUDA where it supports the heads) or sdpa (the torch
+    reference). The flash backends read the static layout's rows: ValueError."""
+    runs = triton_decode.available(device) and triton_decode.supports(*heads)
+    if requested == "triton" and not runs:
+        raise ValueError(f"attn_backend='triton' needs triton (CUDA, or TRITON_INTERPRET=1), "
+                         f"q heads divisible by K/V heads and a power-of-two head_dim >= 16 "
+                         f"(device={device}, q, kv heads, head_dim = {heads})")
+    if requested in ("flash", "flash_per_head"):
+        raise ValueError(f"attn_backend={requested!r} reads the static layout's cache rows: "
+                         f"kv_layout=paged decodes with triton or sdpa")
+    if requested == "auto":
+        return "triton" if runs and device.type == "cuda" else "sdpa"
+    return requested
 
 
 def plan_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int,
@@ -66,8 +88,15 @@ def plan_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int,
 
 class PagedModelRunner(ModelRunner):
     def __init__(self, model, config: RolloutConfig, max_model_len: int):
-        super().__init__(model, eager_config(config), max_model_len)
+        # ModelRunner resolves the static layout's decode backend, which reads cache rows (and
+        # `auto` checks those kernels on the device for nothing): it gets sdpa, and the paged
+        # backend is resolved here. Every other setting is honoured.
+        super().__init__(model, replace(config, attn_backend="sdpa"), max_model_len)
+        c = model.cfg
+        heads = (c.num_heads // self.tp, c.num_kv_heads // self.tp, c.head_dim)
+        self.backend = resolve_paged_backend(config.attn_backend, self.device, heads)
         self.block_size = config.block_size
+        self.width = math.ceil(max_model_len / config.block_size)   # graph-shaped tables
         self.allocator: BlockAllocator | None = None
 
     @property
@@ -80,22 +109,46 @@ class PagedModelRunner(ModelRunner):
         return self.cache.num_blocks
 
     def allocate(self) -> None:
+        """As ModelRunner.allocate: the cache, the row state, the static decode buffers."""
+        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
         if self.cache is not None:
+            if ptrs != self._param_ptrs:
+                self.graphs.clear()
+            self._param_ptrs = ptrs
             return
+        self._param_ptrs = ptrs
         attn = self.model.layers[0].self_attn
-        num_layers, c = len(self.model.layers), self.config
+        num_layers, c, dev = len(self.model.layers), self.config, self.device
         bpt = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
         num_blocks = plan_num_blocks(c.max_num_seqs, self.max_model_len, self.block_size, bpt,
                                      c.kv_cache_tokens, self._cache_budget())
         self.cache = PagedKVCache(num_layers, num_blocks, self.block_size, attn.num_kv_heads,
-                                  attn.head_dim, self.dtype, self.device)
-        self.state = SlotState(c.max_num_seqs, self.max_model_len, self.device)
-        self.graphs = DecodeGraphs(self.device)        # (none captured: free() clears it)
+                                  attn.head_dim, self.dtype, dev)
+        R = c.max_num_seqs
+        self.state = SlotState(R, self.max_model_len, dev)
         self.allocator = BlockAllocator(num_blocks, self.block_size)
+        # static decode inputs and outputs (CUDA graphs read / write these addresses);
+        # padding: the scratch row (R), its slot in the scratch block
+        self.scratch_slot = num_blocks * self.block_size
+        self.row_ids = torch.full((R,), R, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((R,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.tables = torch.full((R, self.width), num_blocks, dtype=torch.int32, device=dev)
+        self.step_fin = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.buckets = graph_buckets(R)
+        if self.compiled and R > 1:       # torch.compile specialises size 1: pad it to 2
+            self.buckets = self.buckets[1:]
+        if self.compiled or self.prefill_compiled:
+            # the block count follows the memory free at each allocation: the compiled steps
+            # take any
+            for t in (*self.cache.k, *self.cache.v):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        self.graphs = DecodeGraphs(dev)
 
     def free(self) -> None:
         super().free()
         self.allocator = None
+        for name in ("row_ids", "slot_mapping", "tables"):
+            self.__dict__.pop(name, None)
 
     def block_tables(self) -> BlockTables:
         """Empty block tables for one generate call. The prefix index is emptied: its K/V came
@@ -110,75 +163,111 @@ class PagedModelRunner(ModelRunner):
         """The first num tokens the row's sequence generated (reads the device)."""
         return self.state.out_tok[row, :num].tolist()
 
+    # --- prefill -----------------------------------------------------------------------------
     def prefill(self, groups: list[PrefillGroup], tables: BlockTables) -> Pending:
         """Prefill each group's tokens past its cached prefix once, write their K/V into the
         group's blocks, sample each sequence's next token."""
-        plan, max_len, any_cached = _prefill_plan(groups, tables, self.vocab_size)
+        compiled = self.compiled or self.prefill_compiled
+        # compiled steps: a 1-token dummy group in the scratch row keeps every size >= 2
+        pad_row = self.num_slots if compiled and len(groups) == 1 else None
+        plan, max_len, any_cached = paged_prefill_plan(groups, tables, self.vocab_size, pad_row)
+        num, prefix, dense = len(plan["seq_lens"]), None, None
+        if any_cached:
+            longest = add_prefix_index(plan, groups, tables)
+        elif self.prefill_attention == "dense" and dense_pays(plan, max_len):
+            # (compiled: a pad index even where no group is padded: one dense graph)
+            add_pad_index(plan, max_len, always=self.prefill_compiled)
+            dense = (num, max_len)
         t = self._h2d_arrays(plan)
         packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
-        paged = None
         if any_cached:
-            width = max(len(tables.tables[g.seqs[0].seq_id]) for g in groups)
-            heads = [g.seqs[0].seq_id for g in groups]
-            paged = (tables.block_table(heads, width).to(self.device), t["seq_lens"])
+            prefix = (t["key_slots"], t["q_index"], num, longest)
+        elif dense is not None:
+            dense = (*dense, t.get("pad_index"))
         ctx = PagedPrefillContext(self.cache, self.model.layer_start, packed, t["src"],
-                                  t["dst"], paged)
+                                  t["dst"], prefix, dense, self.kernel_settings)
         rows, state = t["rows"], self.state
         state.positions[rows] = t["last_pos"]
         state.keys[rows] = t["keys"]
         state.max_gen[rows] = t["max_gen"]
         state.counts[rows] = t["counts"]     # a preempted sequence goes on from its count
-        state.active.index_fill_(0, rows, True)
+        real = sum(len(g.seqs) for g in groups)
+        state.active.index_fill_(0, rows[:real], True)          # (not the dummy's scratch row)
         with torch.no_grad(), record_function("prefill"):
-            h = self.model(packed, attn_ctx=ctx)                               # [T, H]
+            h = self._prefill_forward(packed, ctx)                             # [T, H]
             h = h.index_select(0, t["last"]).index_select(0, t["row_group"])  # [seqs, H]
             fin = self._sample_and_commit(rows, t["last_pos"], h)
-        return Pending([s.slot for g in groups for s in g.seqs], fin)
+        return Pending([s.slot for g in groups for s in g.seqs], fin[:real])
 
+    # --- decode ------------------------------------------------------------------------------
     def decode(self, rows: list[int], slot_mapping: list[int], block_tables: torch.Tensor,
                max_k: int) -> Pending:
         """One token for each row (sorted); slot_mapping: where each row's K/V go;
-        block_tables [B, W] (host) with W·block_size >= max_k."""
-        t = self._h2d_arrays({"rows": np.asarray(rows, dtype=np.int64),
-                              "slots": np.asarray(slot_mapping, dtype=np.int64),
-                              "tables": block_tables.numpy().astype(np.int64).reshape(-1)})
-        r, state = t["rows"], self.state
+        block_tables [B, w] (host) with w·block_size >= max_k. Graph-shaped: the rows padded
+        to a bucket, the tables to width W, max_model_len keys; else max_k keys."""
+        B = len(rows)
         with torch.no_grad(), record_function("decode"):
-            tok, pos = state.tokens[r], state.positions[r]
-            cu_q = torch.arange(len(rows) + 1, dtype=torch.int32, device=self.device)
-            ctx = PagedDecodeContext(self.cache, self.model.layer_start, t["slots"],
-                                     t["tables"].view(block_tables.shape), pos, max_k)
-            h = self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
-            fin = self._sample_and_commit(r, pos, h)
-        return Pending(rows, fin)
+            if self.static_shapes:
+                n, width, max_k = next(b for b in self.buckets if b >= B), self.width, \
+                    self.max_model_len
+                graph = self._graph(n) if self.use_graphs else None
+            else:
+                # compiled: one scratch row with a lone sequence (size 1 would compile again)
+                n = B + (self.compiled and B == 1 < self.num_slots)
+                width, graph = block_tables.shape[1], None
+            self._upload(rows, slot_mapping, block_tables, n, width)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._decode_step(n, width, max_k)
+        return Pending(rows, self.step_fin[:B])
 
+    def _upload(self, rows, slot_mapping, block_tables, n: int, width: int) -> None:
+        """The step's rows, flat slots and tables into the static buffers' first n rows (one
+        host-to-device copy); padding rows: the scratch row, slot and block."""
+        pad = n - len(rows)
+        tables = np.full((n, width), self.cache.scratch_block, dtype=np.int64)
+        tables[:len(rows), :block_tables.shape[1]] = block_tables.numpy()
+        t = self._h2d_arrays({"rows": np.asarray(rows + [self.num_slots] * pad, np.int64),
+                              "slots": np.asarray(slot_mapping + [self.scratch_slot] * pad,
+                                                  np.int64),
+                              "tables": tables.reshape(-1)})
+        self.row_ids[:n].copy_(t["rows"], non_blocking=True)
+        self.slot_mapping[:n].copy_(t["slots"], non_blocking=True)
+        self.tables[:n, :width].copy_(t["tables"].view(n, width), non_blocking=True)
 
-def _prefill_plan(groups: list[PrefillGroup], tables: BlockTables, vocab_size: int):
-    """Host int64 arrays of a paged prefill (rows first: as prefill_plan, the per-sequence
-    lists), the longest packed group, and whether a group starts past a cached prefix."""
-    ids, positions, cu, src, dst, seq_lens = [], [], [0], [], [], []
-    per_seq = {k: [] for k in ("rows", "last_pos", "keys", "max_gen", "counts", "row_group")}
-    for gi, g in enumerate(groups):
-        off, n = cu[-1], len(g.tokens)
-        ids += g.tokens[g.start:]
-        positions += range(g.start, n)
-        s_src, s_dst = tables.prefill_slots(g.seqs[0].seq_id, len(g.seqs), g.start)
-        src += [off + i for i in s_src]
-        dst += s_dst
-        cu.append(off + n - g.start)
-        seq_lens.append(n)
-        for s in g.seqs:
-            for k, v in zip(per_seq, (s.slot, n - 1, s.key, s.max_gen, g.num_generated, gi)):
-                per_seq[k].append(v)
-    plan = {k: np.asarray(v, dtype=np.int64) for k, v in per_seq.items()}
-    ids_np = np.asarray(ids, dtype=np.int64)
-    bad = np.flatnonzero((ids_np < 0) | (ids_np >= vocab_size))
-    if bad.size:
-        g = groups[int(np.searchsorted(cu, bad[0], side="right")) - 1]
-        raise ValueError(f"prompt {g.seqs[0].prompt_index} has token id {ids_np[bad[0]]} "
-                         f"outside the vocabulary [0, {vocab_size})")
-    cu_np = np.asarray(cu, dtype=np.int64)
-    plan.update(ids=ids_np, positions=np.asarray(positions, dtype=np.int64), cu=cu_np,
-                src=np.asarray(src, dtype=np.int64), dst=np.asarray(dst, dtype=np.int64),
-                last=cu_np[1:] - 1, seq_lens=np.asarray(seq_lens, dtype=np.int64))
-    return plan, int(np.diff(cu_np).max()), any(g.start for g in groups)
+    def _decode_step(self, n: int, width: int, max_k: int) -> None:
+        rows = self.row_ids[:n]
+        # the decode body's own views (as ModelRunner._decode_step): marked dynamic, so that
+        # one compile serves every bucket
+        body = (self.row_ids[:n], self.slot_mapping[:n], self.tables[:n, :width])
+        if self.compiled and n > 1:
+            for x in body:
+                torch._dynamo.mark_dynamic(x, 0)
+        h = self._decode_body(*body, max_k)
+        # the forward only writes the cache: positions still hold this step's values
+        self.step_fin[:n] = self._sample_and_commit(rows, self.state.positions[rows], h)
+
+    def _decode_hidden(self, rows: torch.Tensor, slot_mapping: torch.Tensor,
+                       tables: torch.Tensor, max_k: int) -> torch.Tensor:
+        """rows [B] -> last hidden states [B, H] of the rows' current tokens (writes K/V at
+        slot_mapping, reads through tables [B, w] int32)."""
+        state = self.state
+        tok, pos = state.tokens[rows], state.positions[rows]
+        cu_q = torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=rows.device)
+        ctx = PagedDecodeContext(self.cache, self.model.layer_start, slot_mapping, tables, pos,
+                                 max_k, self.backend, self.kernel_settings)
+        return self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
+
+    def _graph(self, n: int):
+        """The decode graph of (sampler mode, bucket n), captured on first use on padding rows
+        only (so it can happen in the middle of a generation)."""
+        key = (self.mode, n)
+        graph = self.graphs.get(key)
+        if graph is None:
+            self.row_ids[:n].fill_(self.num_slots)
+            self.slot_mapping[:n].fill_(self.scratch_slot)
+            self.tables[:n].fill_(self.cache.scratch_block)
+            graph = self.graphs.capture(
+                key, lambda: self._decode_step(n, self.width, self.max_model_len))
+        return graph

@@ -1,13 +1,19 @@
-"""A prefill's host-side plan, in numpy: which packed token fills which cache row, and the
-padded layout of the dense prefill attention. Pure index arithmetic over the prompts' lengths
-(no torch, no device); rollout.model_runner uploads the arrays in one copy."""
+"""A prefill's host-side plan, in numpy: which packed token fills which cache row (static
+layout: `prefill_plan`) or flat block slot (paged: `paged_prefill_plan`), and the padded layouts
+of the dense and the cached-prefix prefill attention. Pure index arithmetic over the prompts'
+lengths (no torch, no device); the model runners upload the arrays in one copy."""
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hybridengine.rollout.scheduler import Sequence
+
+if TYPE_CHECKING:                # (annotations only: this module stays torch-free)
+    from hybridengine.rollout.paged_cache import BlockTables
+    from hybridengine.rollout.paged_scheduler import PrefillGroup
 
 # the dense prefill attention runs while the padded prompts hold at most this many times the
 # prompt tokens; beyond, the varlen kernel
@@ -68,3 +74,66 @@ def add_pad_index(plan: dict[str, np.ndarray], max_len: int, always: bool) -> No
     if always or num_prompts * max_len != num_tokens:
         plan["pad_index"] = np.repeat(np.arange(num_prompts) * max_len,
                                       np.diff(plan["cu"])) + plan["positions"]
+
+
+def paged_prefill_plan(groups: list[PrefillGroup], tables: BlockTables, vocab_size: int,
+                       pad_row: int | None = None):
+    """Host int64 arrays of a paged prefill (rows first: as prefill_plan, the per-sequence
+    lists; then the packed tokens past each group's cached prefix, src -> dst flat slots), the
+    longest packed group, and whether a group starts past a cached prefix. pad_row: append a
+    1-token dummy group in that (scratch) row, writing to the scratch block (a compiled step
+    specialises a dimension of size 1; see model_runner.prefill)."""
+    ids, positions, cu, src, dst, seq_lens = [], [], [0], [], [], []
+    per_seq = {k: [] for k in ("rows", "last_pos", "keys", "max_gen", "counts", "row_group")}
+    for gi, g in enumerate(groups):
+        off, n = cu[-1], len(g.tokens)
+        ids += g.tokens[g.start:]
+        positions += range(g.start, n)
+        s_src, s_dst = tables.prefill_slots(g.seqs[0].seq_id, len(g.seqs), g.start)
+        src += [off + i for i in s_src]
+        dst += s_dst
+        cu.append(off + n - g.start)
+        seq_lens.append(n)
+        for s in g.seqs:
+            for k, v in zip(per_seq, (s.slot, n - 1, s.key, s.max_gen, g.num_generated, gi)):
+                per_seq[k].append(v)
+    plan = {k: np.asarray(v, dtype=np.int64) for k, v in per_seq.items()}
+    ids_np = np.asarray(ids, dtype=np.int64)
+    bad = np.flatnonzero((ids_np < 0) | (ids_np >= vocab_size))
+    if bad.size:
+        g = groups[int(np.searchsorted(cu, bad[0], side="right")) - 1]
+        raise ValueError(f"prompt {g.seqs[0].prompt_index} has token id {ids_np[bad[0]]} "
+                         f"outside the vocabulary [0, {vocab_size})")
+    if pad_row is not None:
+        ids_np = np.append(ids_np, 0)
+        positions.append(0)
+        src.append(cu[-1])
+        dst.append(tables.pad_block * tables.block_size)
+        cu.append(cu[-1] + 1)
+        seq_lens.append(1)
+        for k, v in zip(per_seq, (pad_row, 0, 0, 0, 0, len(groups))):
+            plan[k] = np.append(plan[k], v)
+    cu_np = np.asarray(cu, dtype=np.int64)
+    plan.update(ids=ids_np, positions=np.asarray(positions, dtype=np.int64), cu=cu_np,
+                src=np.asarray(src, dtype=np.int64), dst=np.asarray(dst, dtype=np.int64),
+                last=cu_np[1:] - 1, seq_lens=np.asarray(seq_lens, dtype=np.int64))
+    return plan, int(np.diff(cu_np).max()), any(g.start for g in groups)
+
+
+def add_prefix_index(plan: dict[str, np.ndarray], groups: list[PrefillGroup],
+                     tables: BlockTables) -> int:
+    """The padded layout of paged_context.padded_prefix_attention: plan["key_slots"] [S·N] the
+    flat slot of every position of each group (its first sample's table; the scratch block's
+    past its length; the dummy group of paged_prefill_plan too) and plan["q_index"] [T] each
+    packed token's s·N + position. Returns N, the longest group (all its tokens)."""
+    lens = plan["seq_lens"]
+    num, bs, N = len(lens), tables.block_size, int(lens.max())
+    slots = np.full((num, N), tables.pad_block * bs, dtype=np.int64)
+    for gi, g in enumerate(groups):
+        table = np.asarray(tables.tables[g.seqs[0].seq_id], dtype=np.int64)
+        p = np.arange(len(g.tokens))
+        slots[gi, :len(p)] = table[p // bs] * bs + p % bs
+    group_of = np.repeat(np.arange(num), np.diff(plan["cu"]))
+    plan["key_slots"] = slots.reshape(-1)
+    plan["q_index"] = group_of * N + plan["positions"]
+    return N

@@ -83,8 +83,8 @@ class RolloutConfig:
     # fastest measured)
     kernels: RolloutKernelSettings = DEFAULT_KERNEL_SETTINGS
     # paged: blocks lent as sequences grow, prefix sharing, preemption (rollout/paged_runner.py);
-    # its steps run eagerly with the torch reference attention, whatever enforce_eager,
-    # compile, compile_prefill, attn_backend, prefill_attention and kernels say
+    # its decode takes attn_backend triton (the paged kernel) or sdpa (auto: triton on CUDA;
+    # flash reads the static rows: refused), every other setting as the static layout
     kv_layout: str = "static"
     block_size: int = DEFAULT_BLOCK_SIZE     # tokens per block (paged)
 
