@@ -6,6 +6,7 @@
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
 #   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
+# CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl);
 # steady and steady2 also the GSM8K test prompts (test.jsonl).
@@ -13,9 +14,19 @@ set -u
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .whl/*.whl
 OUT=${OUT:-/tmp/out}; RES=/tmp/gpu_results; mkdir -p "$OUT" "$RES"
+# Compilation is most of a short benchmark's time (the rollout's 130-170 s warm-up at 0.5B):
+# inductor's and Triton's caches live in one folder that a call may bring back
+# ($OUT/compile_cache.tgz, if under the 16 MiB a returned file may have) and a later call,
+# another machine of the same image, may carry in as .compile_cache/compile_cache.tgz.
+CC=/tmp/compile_cache; export TORCHINDUCTOR_CACHE_DIR=$CC/inductor TRITON_CACHE_DIR=$CC/triton
+[ -z "${CACHE_OFF:-}" ] && [ -f .compile_cache/compile_cache.tgz ] && [ ! -d "$CC" ] && mkdir -p "$CC" && \
+  tar -xzf .compile_cache/compile_cache.tgz -C "$CC" && echo "compile cache: $(du -sh "$CC")" >> "$RES/session.log"
 # Pack after every run too, so a call killed at its time limit still returns what finished.
 pack() { tar -czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/session.log" "$OUT/"; }
-trap pack EXIT
+pack_cache() { [ -d "$CC" ] || return 0; tar -czf /tmp/cc.tgz -C "$CC" . || return 0
+               if [ "$(stat -c %s /tmp/cc.tgz)" -lt 16000000 ]; then cp /tmp/cc.tgz "$OUT/compile_cache.tgz"
+               else echo "compile cache not returned: $(stat -c %s /tmp/cc.tgz) bytes" >> "$RES/session.log"; fi; }
+trap 'pack_cache; pack' EXIT
 parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() { local name=$1; shift
