@@ -128,11 +128,13 @@ for p in $parts; do case $p in
   families|families_rollout|families_ppo)
            # issue 26, one GPU: the Qwen3-0.6B, Qwen3-1.7B and Gemma-2-2B shapes beside Qwen2.5-0.5B
            # in the same session, the same flags for each (FAMILY_MODELS: a subset). Rollout:
-           # compiled decode step and prefill; GRPO: 2 steps of fixed 512 + 256 tokens, defaults
+           # compiled decode step and prefill (FAMILY_ROLLOUT_ARGS: another workload, e.g. short
+           # contexts where the weights, not the KV cache, bound the decode step; FAMILY_TAG: a
+           # suffix for those runs' names); GRPO: 2 steps of fixed 512 + 256 tokens, defaults
            fam=${FAMILY_MODELS:-qwen3-0.6b qwen3-1.7b gemma2-2b}
            if [ "$p" != families_ppo ]; then
              for m in qwen2.5-0.5b $fam; do
-               run "rollout_$m" python3 tools/bench_rollout.py --model "$m" --compile --compile-prefill
+               run "rollout_$m${FAMILY_TAG:-}" python3 tools/bench_rollout.py --model "$m" --compile --compile-prefill ${FAMILY_ROLLOUT_ARGS:-}
              done
            fi
            if [ "$p" != families_rollout ]; then

@@ -76,6 +76,20 @@ if triton is not None:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def rope_new_token(q, q_ptr, g_ok, dd, cos, sin, k_ptr, v_ptr, K, V,
+                       HEAD_DIM: tl.constexpr):
+        """Rotate-half RoPE of the step's q [G, d] (loaded from q_ptr) and of the new key at
+        k_ptr (x·cos + [x₂, x₁]·sin, the fp32 tables already rounded to q's dtype as apply_rope
+        does; one rounding at the end): (q rotated, k_new and v_new in the cache's dtypes). The
+        fused forms of both decode kernels (this one and paged_decode_attention's)."""
+        swap = (dd + HEAD_DIM // 2) % HEAD_DIM
+        q_sw = tl.load(q_ptr + swap[None, :], mask=g_ok[:, None], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + q_sw.to(tl.float32) * sin[None, :]).to(q.dtype)
+        k_new = tl.load(k_ptr + dd).to(tl.float32) * cos + \
+            tl.load(k_ptr + swap).to(tl.float32) * sin
+        return q, k_new.to(K.dtype.element_ty), tl.load(v_ptr + dd).to(V.dtype.element_ty)
+
+    @triton.jit
     def _split_kernel(Q, K, V, Slots, Lens, Out, Lse, KNew, VNew, Cos, Sin, sm_scale, max_len,
                       stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
                       stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sb,
@@ -114,7 +128,6 @@ if triton is not None:
                 _prefetch_l2(v_row, first, stop - 1, stride_kt)
             tl.extra.cuda.gdc_wait()
         if NEW_TOKEN:
-            swap = (dd + HEAD_DIM // 2) % HEAD_DIM
             cos = tl.load(Cos + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
             sin = tl.load(Sin + b * stride_sb + dd).to(Q.dtype.element_ty).to(tl.float32)
         q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
@@ -123,19 +136,13 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
         if NEW_TOKEN:
-            # Rotate-half RoPE of q and of the new key (x·cos + [x₂, x₁]·sin with the fp32
-            # tables rounded to q's dtype first, as apply_rope does; one rounding at the end),
-            # the new K/V written to the cache at position seqlen - 1, and the new token counted
-            # from registers: the loop below reads only the cached prefix, so no program reads
-            # what another writes.
-            q_sw = tl.load(q_ptr + swap[None, :], mask=g_ok[:, None], other=0.0)
-            q = (q.to(tl.float32) * cos[None, :] + q_sw.to(tl.float32) * sin[None, :]).to(
-                q.dtype)
-            k_ptr = KNew + b * stride_knb + j * stride_knh
-            k_new = tl.load(k_ptr + dd).to(tl.float32) * cos + \
-                tl.load(k_ptr + swap).to(tl.float32) * sin
-            k_new = k_new.to(K.dtype.element_ty)
-            v_new = tl.load(VNew + b * stride_vnb + j * stride_vnh + dd).to(V.dtype.element_ty)
+            # RoPE of q and of the new key, the new K/V written to the cache at position
+            # seqlen - 1, and the new token counted from registers: the loop below reads only
+            # the cached prefix, so no program reads what another writes.
+            q, k_new, v_new = rope_new_token(q, q_ptr, g_ok, dd, cos, sin,
+                                             KNew + b * stride_knb + j * stride_knh,
+                                             VNew + b * stride_vnb + j * stride_vnh, K, V,
+                                             HEAD_DIM)
             if s == 0:                  # the first split holds the new token
                 at = (seqlen - 1).to(tl.int64) * stride_kt
                 tl.store(k_row + at + dd, k_new)

@@ -46,6 +46,8 @@ except ImportError:
 
 
 if triton is not None:
+    from hybridengine.kernels.decode_attention import rope_new_token
+
     @triton.jit
     def _paged_split_kernel(Q, K, V, Tables, Lens, Out, Lse, KNew, VNew, Cos, Sin, SlotMap,
                             sm_scale, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -76,20 +78,14 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
         if NEW_TOKEN:
-            # As decode_attention's fused form: rotate-half RoPE of q and the new key (the fp32
-            # tables rounded to q's dtype first, as apply_rope does), the new K/V stored at the
-            # row's flat slot (split 0), the new token counted from registers.
-            swap = (dd + HEAD_DIM // 2) % HEAD_DIM
+            # As decode_attention's fused form: RoPE of q and the new key, the new K/V stored
+            # at the row's flat slot (split 0), the new token counted from registers.
             cos = tl.load(Cos + b * stride_cb + dd).to(Q.dtype.element_ty).to(tl.float32)
             sin = tl.load(Sin + b * stride_sb + dd).to(Q.dtype.element_ty).to(tl.float32)
-            q_sw = tl.load(q_ptr + swap[None, :], mask=g_ok[:, None], other=0.0)
-            q = (q.to(tl.float32) * cos[None, :] + q_sw.to(tl.float32) * sin[None, :]).to(
-                q.dtype)
-            k_ptr = KNew + b * stride_knb + j * stride_knh
-            k_new = tl.load(k_ptr + dd).to(tl.float32) * cos + \
-                tl.load(k_ptr + swap).to(tl.float32) * sin
-            k_new = k_new.to(K.dtype.element_ty)
-            v_new = tl.load(VNew + b * stride_vnb + j * stride_vnh + dd).to(V.dtype.element_ty)
+            q, k_new, v_new = rope_new_token(q, q_ptr, g_ok, dd, cos, sin,
+                                             KNew + b * stride_knb + j * stride_knh,
+                                             VNew + b * stride_vnb + j * stride_vnh, K, V,
+                                             HEAD_DIM)
             if s == 0:
                 slot = tl.load(SlotMap + b)
                 at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + \
