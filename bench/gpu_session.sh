@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: trl tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -112,6 +112,10 @@ for p in $parts; do case $p in
            T=${T:-600} run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
+  trl)     # issue 27's peer in the same call: TRL's GRPOTrainer (HF generate) at the fixed
+           # workload's shape, 3 steps (../shared/bench/hf_trl_baseline.py copied to .benchdata/;
+           # trl, datasets, dill, multiprocess wheels in .whl/)
+           T=${T:-300} run trl_grpo env ONLY_TRL=1 OUT="$RES" python3 .benchdata/hf_trl_baseline.py ;;
   moe)     # issue 29, one GPU: the Qwen3-MoE-style 1B (64 experts, top 8) beside the dense model
            # of its active width, rollout and GRPO (fixed 512 + 256 tokens, defaults)
            data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"

@@ -143,7 +143,7 @@ def test_random_admit_grow_finish_preempt_leaks_nothing():
     content, tokens = {}, {}        # flat slot -> token written there; seq id -> its tokens
     waiting: deque[tuple[int, list[int]]] = deque()      # preempted: recomputed later
     stems = [[rng.randrange(3) for _ in range(12)] for _ in range(3)]
-    next_id = hits = refused = 0
+    next_id = hits = refused = peak = 0
     for _ in range(1000):
         op = rng.random()
         if op < 0.3:
@@ -188,10 +188,32 @@ def test_random_admit_grow_finish_preempt_leaks_nothing():
         for s, toks in tokens.items():
             table = t.tables[s]
             assert [content[table[p // bs] * bs + p % bs] for p in range(len(toks))] == toks
+        # blocks held only grow inside an operation: the peak is the largest seen after one
+        peak = max(peak, num_blocks - t.allocator.num_free)
+        assert t.peak_blocks == peak
+        distinct = {t.tables[s][p // bs] * bs + p % bs
+                    for s in tokens for p in range(len(tokens[s]))}
+        assert t._sum_tokens - t.allocator.extra_refs * bs == len(distinct)
     assert t.num_preemptions > 0 and hits > 0 and refused > 0 and next_id > 100
     [t.finish(s) for s in list(t.tables)]
     t.check()
     assert t.allocator.num_free == num_blocks and not any(t.allocator.refs)
+
+
+def test_peak_blocks_and_the_distinct_tokens_they_hold():
+    """Two samples of a 10-token prompt at block size 4 share its two full blocks and own a
+    tail each: 4 blocks hold 8 + 2 + 2 distinct tokens; the 13th token of one sample takes a
+    fifth block (15 tokens then); finishing gives everything back without lowering the peak."""
+    t = _tables(16, 4)
+    t.admit(0, list(range(10)), n=2)
+    assert (t.peak_blocks, t.tokens_at_peak, t.allocator.extra_refs) == (4, 12, 2)
+    for _ in range(3):
+        t.append_slot(0)
+    assert (t.peak_blocks, t.tokens_at_peak) == (5, 15)
+    t.finish(0)
+    t.finish(1)
+    t.check()
+    assert (t.peak_blocks, t.tokens_at_peak, t.allocator.extra_refs) == (5, 15, 0)
 
 
 def _dense_attention(q, k, v, scale):

@@ -238,5 +238,9 @@ def test_bench_rollout_takes_the_paged_layout_samples_and_response_lengths(capsy
     assert out["n"] == 2 and out["ours"]["kv_layout"] == "paged" and out["ours"]["num_blocks"]
     assert out["variants"]["static"]["kv_layout"] == "static"
     assert out["ours"]["logprob_max_abs_diff_vs_training_forward"] < 1e-4
+    # the blocks held at the peak (16 tokens each) hold the distinct tokens counted then
+    ours = out["ours"]
+    assert ours["kv_blocks_peak"] * 16 >= ours["kv_tokens_at_peak"] > 0
+    assert ours["kv_used_over_held"] >= 1
     with pytest.raises(SystemExit):
         bench.parse_args(["--response-lengths", "normal:4:1"])

@@ -175,7 +175,11 @@ def _bench_engine(model, prompts, args, device) -> dict:
                                       "attn_backend", "prefill_attention", "cuda_graphs",
                                       "num_slots", "kv_layout", "num_preemptions",
                                       "max_concurrent")})
-    out.update({k: stats[k] for k in ("num_blocks", "num_prefix_cached_tokens") if k in stats})
+    out.update({k: stats[k] for k in ("num_blocks", "num_prefix_cached_tokens", "kv_blocks_peak",
+                                      "kv_tokens_at_peak") if k in stats})
+    if stats.get("kv_tokens_at_peak"):      # issue 25: KV memory used over the tokens it held
+        out["kv_used_over_held"] = (stats["kv_blocks_peak"] * engine.config.block_size /
+                                    stats["kv_tokens_at_peak"])
     out["decode_ms_per_step"] = 1e3 * stats["decode_s"] / max(stats["num_decode_steps"], 1)
     settings = engine.runner.kernel_settings
     out["fused_sampler"] = settings.fused_sampler and fused_sampler.available(device)

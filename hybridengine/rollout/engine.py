@@ -100,8 +100,9 @@ class Engine:
     that found every slot taken: the batch ran in waves), num_preemptions (0 with static rows).
     With kv_layout="paged" (rollout/paged_runner.py: blocks, prefix sharing, preemption by
     recompute; CUDA graphs, compiled steps and the Triton paged decode as the static layout's),
-    num_slots counts rows (max_num_seqs), and num_blocks and num_prefix_cached_tokens (prompt
-    tokens whose prefill a cached prefix skipped) join.
+    num_slots counts rows (max_num_seqs), and num_blocks, num_prefix_cached_tokens (prompt
+    tokens whose prefill a cached prefix skipped), kv_blocks_peak and kv_tokens_at_peak (the
+    most blocks held at once, and the distinct tokens in them then: BlockTables) join.
     """
 
     def __init__(self, model, config: RolloutConfig = RolloutConfig(), *, device=None,
@@ -180,7 +181,9 @@ class Engine:
                           num_preemptions=sched.num_preemptions if self.paged else 0)
         if self.paged:
             self.stats.update(num_blocks=runner.num_blocks,
-                              num_prefix_cached_tokens=sched.num_prefix_cached_tokens)
+                              num_prefix_cached_tokens=sched.num_prefix_cached_tokens,
+                              kv_blocks_peak=sched.tables.peak_blocks,
+                              kv_tokens_at_peak=sched.tables.tokens_at_peak)
         return out
 
     def _run(self, sched: Scheduler, timer: "_StepTimer") -> None:

@@ -51,7 +51,8 @@ from hybridengine.rollout.rollout_config import DEFAULT_BLOCK_SIZE  # noqa: F401
 class BlockAllocator:
     """num_blocks blocks of block_size tokens with reference counts, and the prefix index of
     full blocks. refs[b] = the number of block tables that hold b; b is on the free list iff
-    refs[b] == 0 (cached or not)."""
+    refs[b] == 0 (cached or not); extra_refs = sum over blocks of max(refs - 1, 0), the
+    table entries that sharing saved."""
 
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
         if num_blocks < 1 or block_size < 1:
@@ -63,6 +64,7 @@ class BlockAllocator:
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}        # block -> its key
         self._id: dict[int, int] = {}          # block -> the parent id its children's keys name
         self._next_id = 0
+        self.extra_refs = 0
 
     @property
     def num_free(self) -> int:
@@ -86,6 +88,8 @@ class BlockAllocator:
             if block not in self._key:
                 raise RuntimeError(f"block {block} is free and holds no cached prefix")
             del self._free[block]
+        else:
+            self.extra_refs += 1
         self.refs[block] += 1
 
     def free(self, block: int) -> None:
@@ -94,6 +98,8 @@ class BlockAllocator:
         self.refs[block] -= 1
         if self.refs[block] == 0:
             self._free[block] = None
+        else:
+            self.extra_refs -= 1
 
     def lookup(self, parent: int, tokens) -> int | None:
         """The cached block holding `tokens` after the chain `parent`, or None."""
@@ -133,6 +139,7 @@ class BlockAllocator:
             assert self.refs[b] == held[b], (b, self.refs[b], held[b])
             assert (b in self._free) == (self.refs[b] == 0), b
         assert set(held) <= set(range(self.num_blocks)), held
+        assert self.extra_refs == sum(max(r - 1, 0) for r in self.refs)
         assert len(self._index) == len(self._key) == len(self._id)
         assert all(self._index[key] == b for b, key in self._key.items())
 
@@ -140,7 +147,10 @@ class BlockAllocator:
 class BlockTables:
     """The block table of every admitted sequence. Sequence ids follow the scheduler's
     (prompt_index·n + sample_index): admit(seq_id, prompt, n) admits seq_id .. seq_id + n - 1.
-    Dict order is admission order, the youngest last (preemption takes it first)."""
+    Dict order is admission order, the youngest last (preemption takes it first).
+    peak_blocks: the most blocks held at once (refs > 0), and tokens_at_peak the distinct token
+    positions they held then (a shared block's counted once): the KV memory used against the
+    tokens it holds, whose ratio is the tail blocks' slack."""
 
     def __init__(self, allocator: BlockAllocator):
         self.allocator = allocator
@@ -149,6 +159,16 @@ class BlockTables:
         self.num_tokens: dict[int, int] = {}       # tokens with a slot reserved (K/V written
                                                    # or about to be)
         self.num_preemptions = 0
+        self._sum_tokens = 0                       # sum of num_tokens
+        self.peak_blocks = self.tokens_at_peak = 0
+
+    def _note_peak(self) -> None:
+        a = self.allocator
+        held = a.num_blocks - a.num_free
+        if held > self.peak_blocks:
+            # each extra reference is a full shared block counted in one more sequence
+            self.peak_blocks = held
+            self.tokens_at_peak = self._sum_tokens - a.extra_refs * self.block_size
 
     @property
     def pad_block(self) -> int:
@@ -206,6 +226,8 @@ class BlockTables:
             tail = [a.allocate()] if len(prompt) % bs else []
             self.tables[s] = shared + tail
             self.num_tokens[s] = len(prompt)
+        self._sum_tokens += n * len(prompt)
+        self._note_peak()
         return num_cached
 
     def prefill_slots(self, seq_id: int, n: int, start: int) -> tuple[list[int], list[int]]:
@@ -233,9 +255,11 @@ class BlockTables:
         """Reserve the next token's slot: (block, offset) of position num_tokens, a new block
         at a block boundary."""
         t, table = self.num_tokens[seq_id], self.tables[seq_id]
+        self.num_tokens[seq_id] = t + 1
+        self._sum_tokens += 1
         if t == len(table) * self.block_size:
             table.append(self.allocator.allocate())
-        self.num_tokens[seq_id] = t + 1
+            self._note_peak()
         return table[t // self.block_size], t % self.block_size
 
     def finish(self, seq_id: int) -> None:
@@ -243,7 +267,7 @@ class BlockTables:
         before the blocks it extends)."""
         for block in reversed(self.tables.pop(seq_id)):
             self.allocator.free(block)
-        del self.num_tokens[seq_id]
+        self._sum_tokens -= self.num_tokens.pop(seq_id)
 
     def preempt_youngest(self, num_blocks: int = 1) -> list[int]:
         """Preempt the youngest sequences until num_blocks blocks are free (or none is left);
@@ -293,6 +317,7 @@ class BlockTables:
                 assert self.allocator.refs[table[-1]] == 1, (s, table[-1])
             held.update(table)
         self.allocator.check(held)
+        assert self._sum_tokens == sum(self.num_tokens.values())
 
 
 class PagedKVCache:
