@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: trl tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: paged trl tests model train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -112,6 +112,18 @@ for p in $parts; do case $p in
            T=${T:-600} run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
+  paged)   # issue 25, one GPU: the paged KV layout against the static one (the `static`
+           # variant, same process), compiled, CUDA graphs: the short benchmark (256 x 512 + 256),
+           # GRPO-shaped (32 prompts x n 8: one prefill per prompt), long responses (lognormal,
+           # mean 2,048, up to 16,384) at 0.5B, then the long workload at 7B paged alone
+           # (PAGED_RUNS: a subset of short grpo long long7b)
+           long="--new-tokens 16384 --response-lengths lognormal:2048:${PAGED_SIGMA:-0.8}"
+           for r in ${PAGED_RUNS:-short grpo long long7b}; do case $r in
+             short)  run paged_short python3 tools/bench_rollout.py --compile --compile-prefill --kv-layout paged --variants static ;;
+             grpo)   run paged_grpo python3 tools/bench_rollout.py --compile --compile-prefill --kv-layout paged --batch 32 --n 8 --variants static ;;
+             long)   run paged_long python3 tools/bench_rollout.py --compile --compile-prefill --kv-layout paged $long --repeat 1 --variants static ;;
+             long7b) run paged_long_7b python3 tools/bench_rollout.py --model qwen2.5-7b --compile --compile-prefill --kv-layout paged $long --repeat 1 ;;
+           esac; done ;;
   trl)     # issue 27's peer in the same call: TRL's GRPOTrainer (HF generate) at the fixed
            # workload's shape, 3 steps (../shared/bench/hf_trl_baseline.py copied to .benchdata/;
            # trl, datasets, dill, multiprocess wheels in .whl/)

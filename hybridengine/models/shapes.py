@@ -67,7 +67,8 @@ def tiny_of(cfg: ModelConfig) -> ModelConfig:
 
 
 # --model name -> (the shape, its CPU smoke-test shape)
-SHAPES = {"qwen2.5-0.5b": (QWEN2_5_0_5B, TINY), "qwen3-0.6b": (QWEN3_0_6B, tiny_of(QWEN3_0_6B)),
+SHAPES = {"qwen2.5-0.5b": (QWEN2_5_0_5B, TINY), "qwen2.5-7b": (QWEN2_5_7B, TINY),
+          "qwen3-0.6b": (QWEN3_0_6B, tiny_of(QWEN3_0_6B)),
           "qwen3-1.7b": (QWEN3_1_7B, tiny_of(QWEN3_1_7B)),
           "gemma2-2b": (GEMMA2_2B, tiny_of(GEMMA2_2B)),
           "qwen3-moe-1b": (QWEN3_MOE_1B, tiny_of(QWEN3_MOE_1B)),
