@@ -240,3 +240,55 @@ def _weighted(layer: MoEMLP, x, y):
     _, weights, experts = layer.route(x)
     order = torch.argsort(experts.reshape(-1), stable=True)
     return order // K, (y * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+
+
+def test_row_permutations_match_indexing_and_need_no_scatter():
+    """The routed path's row moves (_PermuteRows, _UnpermuteRows): values and fp64 gradients
+    equal plain indexing with a scatter-add by token (the form they replace), and neither
+    direction calls index_add / index_put (atomics on CUDA, nondeterministic)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hybridengine.models.moe import _PermuteRows, _UnpermuteRows
+    g = torch.Generator().manual_seed(0)
+    T, k, H = 7, 3, 5
+    experts = torch.randint(0, 4, (T, k), generator=g)
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    inverse = torch.argsort(order)
+    x = torch.randn(T, H, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.rand(T, k, dtype=torch.float64, generator=g, requires_grad=True)
+    probe = torch.randn(T * k, H, dtype=torch.float64, generator=g)
+
+    def ours():
+        rows = _PermuteRows.apply(x, order, inverse, k)
+        y = torch.tanh(rows) * probe                    # a row-wise "expert"
+        pairs = _UnpermuteRows.apply(y, order, inverse) * w.reshape(-1, 1)
+        return pairs.view(T, k, H).sum(1)
+
+    def reference():
+        tokens = order // k
+        y = torch.tanh(x[tokens]) * probe
+        scaled = y * w.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, tokens, scaled)
+
+    class AtenOps(TorchDispatchMode):         # every aten op that runs, backward's too
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    grad_out = torch.randn(T, H, dtype=torch.float64, generator=g)
+    with AtenOps() as seen_reference:
+        want = reference()
+        want_grads = torch.autograd.grad(want, (x, w), grad_out)
+    with AtenOps() as seen:
+        got = ours()
+        got_grads = torch.autograd.grad(got, (x, w), grad_out)
+    scatters = {"aten::index_add", "aten::index_add_", "aten::index_put", "aten::index_put_",
+                "aten::_index_put_impl_", "aten::scatter_add", "aten::scatter_add_"}
+    assert seen_reference.names & scatters and not seen.names & scatters, seen.names & scatters
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

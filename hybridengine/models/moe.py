@@ -227,12 +227,13 @@ class MoEMLP(nn.Module):
         # the (token, slot) pairs sorted by expert: each expert reads one contiguous block
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        tokens = order // self.top_k
+        inverse = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device))
         # each expert's end in the sorted ids by binary search: on the device (bincount's CUDA
         # kernel asks the host for the largest id first)
         ends = torch.searchsorted(flat[order], torch.arange(self.num_experts, device=x.device),
                                   right=True)
-        routed = x[tokens]
+        routed = _PermuteRows.apply(x, order, inverse, self.top_k)
         if group_size(self.ep_group) > 1:
             sent = dispatch(routed, torch.diff(ends, prepend=ends.new_zeros(1)), self.ep_group)
             rows, counts = sent.rows, sent.expert_counts
@@ -246,9 +247,11 @@ class MoEMLP(nn.Module):
                            if sent is None else counts)
         if sent is not None:
             y = combine(y, sent)
-        scale = weights.reshape(-1)[order].unsqueeze(-1)
-        y = (y * scale).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, y)
+        # back in (token, slot) order, each token's k rows side by side: a weighted sum over
+        # them, where a scatter-add by token would take atomics (and their nondeterminism)
+        pairs = _UnpermuteRows.apply(y, order, inverse)
+        pairs = (pairs * weights.reshape(-1, 1)).to(x.dtype)
+        return pairs.view(-1, self.top_k, x.shape[-1]).sum(1)
 
     def _loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows grouped by local expert, counts[e] of them each: one expert call per group."""
@@ -284,6 +287,38 @@ def grouped_mm_runs(x: torch.Tensor, ffn: int) -> bool:
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
     return x.device.type == "cpu"
+
+
+class _PermuteRows(torch.autograd.Function):
+    """rows[i] = x[order[i] // k]: the (token, slot) pairs' rows in expert order. Backward
+    gathers instead of scattering: token t's k row gradients sit at inverse[t·k + j] (inverse
+    = order's inverse permutation), summed without atomics."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x[order // k]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse].view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _UnpermuteRows(torch.autograd.Function):
+    """pairs[p] = y[inverse[p]]: rows in expert order back in (token, slot) order; the
+    backward is the permutation itself (grad[order]), no scatter."""
+
+    @staticmethod
+    def forward(ctx, y, order, inverse):
+        ctx.save_for_backward(order)
+        return y[inverse]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad[order], None, None
 
 
 class _AddLossGradient(torch.autograd.Function):
