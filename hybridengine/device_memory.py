@@ -5,12 +5,17 @@ working set (rollout.model_runner sizes the KV cache from that), which erased wh
 in the step: the reshard's peak went missing from perf/max_memory_allocated_gb. reset_peak
 carries the peak it erases, and max_allocated is the process's maximum since it started, as
 torch.cuda.max_memory_allocated is in verl, which never resets it.
+
+start_window / window_peak measure one span (a trainer phase: perf/max_memory_allocated_gb/
+<phase>) on top of that: the window's peak survives the resets inside it too, and max_allocated
+keeps its process-wide meaning. Windows do not nest.
 """
 from __future__ import annotations
 
 import torch
 
-_carried: dict[int, int] = {}
+_carried: dict[int, int] = {}      # device -> the process's peak before the last reset
+_window: dict[int, int] = {}       # device -> the open window's peak before the last reset
 
 
 def _index(device) -> int:
@@ -21,11 +26,25 @@ def _index(device) -> int:
 def reset_peak(device=None) -> None:
     """torch.cuda.reset_peak_memory_stats, keeping the erased peak for max_allocated."""
     i = _index(device)
-    _carried[i] = max(_carried.get(i, 0), torch.cuda.max_memory_allocated(i))
+    erased = torch.cuda.max_memory_allocated(i)
+    _carried[i] = max(_carried.get(i, 0), erased)
+    _window[i] = max(_window.get(i, 0), erased)
     torch.cuda.reset_peak_memory_stats(i)
+
+
+def start_window(device=None) -> None:
+    """Open a window: window_peak counts from now (the peak so far carried, then reset)."""
+    reset_peak(device)
+    _window[_index(device)] = 0
 
 
 def max_allocated(device=None) -> int:
     """Bytes: the most allocated on the device at any time in this process."""
     i = _index(device)
     return max(_carried.get(i, 0), torch.cuda.max_memory_allocated(i))
+
+
+def window_peak(device=None) -> int:
+    """Bytes: the most allocated on the device since start_window."""
+    i = _index(device)
+    return max(_window.get(i, 0), torch.cuda.max_memory_allocated(i))

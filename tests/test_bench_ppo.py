@@ -34,5 +34,41 @@ def test_tiny_run_reports_the_memory_plan(bench_ppo_tiny):
     assert plan["peak_gb"] > 0 and plan["peak_phase"] and plan["kv_slots"] == 128
     # the CPU reports no allocated peak, so there is nothing to divide
     assert out["measured_peak_gb"] is None and out["measured_over_plan"] is None
+    # per phase: the plan's GiB, nothing measured (the reshard inside the trainer's rollout)
+    assert set(plan["phases_gb"]) >= {"reshard", "rollout", "old_log_prob", "update_actor"}
+    assert "reshard" not in out["phases"]
+    assert out["phases"]["update_actor"] == {"plan_gb": plan["phases_gb"]["update_actor"],
+                                             "measured_gb": None, "measured_over_plan": None}
     assert out["steps"][0]["rollout/num_slots"] == plan["kv_slots"]
     assert out["steps"][0]["rollout/max_concurrent"] == 128      # 16 prompts x 8: all at once
+
+
+def test_memory_check_puts_each_phase_peak_beside_the_plan(monkeypatch):
+    """perf/max_memory_allocated_gb/<phase> of the steps (their largest) beside the plan's phase
+    totals; the trainer's rollout against the larger of the plan's reshard and rollout."""
+    from types import SimpleNamespace
+
+    from hybridengine.train.memory_plan import MemoryPlan
+    gib = 2**30
+    plan = MemoryPlan({"reshard": {"actor.weights": 6 * gib}, "rollout": {"x": 8 * gib},
+                       "update_actor": {"actor.weights": 10 * gib, "actor.activations": 10 * gib}},
+                      {}, 0, 4, "max_num_seqs", 0)
+    monkeypatch.setattr(bench, "plan_run_memory", lambda *a: plan)
+    monkeypatch.setattr(bench, "device_budget", lambda *a: None)
+    trainer = SimpleNamespace(cfg=None, layout=None, critic=None, device=torch.device("cpu"),
+                              actor=SimpleNamespace(engine=SimpleNamespace(cfg=None)))
+    peaks = {}
+    for step in ({"perf/max_memory_allocated_gb/update_actor": 17.0,
+                  "perf/max_memory_allocated_gb/rollout": 9.0, "perf/throughput": 1.0},
+                 {"perf/max_memory_allocated_gb/update_actor": 18.0,
+                  "perf/max_memory_allocated_gb/adv": 1.0}):
+        bench.phase_peaks(peaks, step)
+    out = bench.memory_check(trainer, 18.0, peaks)
+    assert out["plan"]["peak_gb"] == 20.0 and out["plan"]["peak_phase"] == "update_actor"
+    assert out["measured_over_plan"] == 0.9
+    assert out["plan"]["phases_gb"] == {"reshard": 6.0, "rollout": 8.0, "update_actor": 20.0}
+    assert out["phases"] == {
+        "rollout": {"plan_gb": 8.0, "measured_gb": 9.0, "measured_over_plan": 9.0 / 8.0},
+        "update_actor": {"plan_gb": 20.0, "measured_gb": 18.0, "measured_over_plan": 0.9},
+        "adv": {"plan_gb": None, "measured_gb": 1.0, "measured_over_plan": None}}
+

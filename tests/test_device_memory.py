@@ -1,6 +1,6 @@
 """hybridengine.device_memory: a reset that measures one phase alone (the rollout's prefill
-probe) does not erase the run's peak from perf/max_memory_allocated_gb (torch's counters faked:
-CPU)."""
+probe) does not erase the run's peak from perf/max_memory_allocated_gb, and a phase's window
+keeps its own peak (perf/max_memory_allocated_gb/<phase>; torch's counters faked: CPU)."""
 import torch
 
 from hybridengine import device_memory
@@ -19,3 +19,47 @@ def test_the_peak_survives_a_phase_reset(monkeypatch):
     assert device_memory.max_allocated(dev) == 7 << 30
     peak["now"] = 9 << 30                 # a later phase goes higher
     assert device_memory.max_allocated(dev) == 9 << 30
+
+
+def _fake_counters(monkeypatch) -> dict:
+    peak = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i=None: peak["now"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda i=None: peak.update(now=0))
+    monkeypatch.setattr(device_memory, "_carried", {})
+    monkeypatch.setattr(device_memory, "_window", {})
+    return peak
+
+
+def test_a_window_keeps_its_own_peak_across_the_resets_inside_it(monkeypatch):
+    peak, dev = _fake_counters(monkeypatch), torch.device("cuda", 0)
+    peak["now"] = 9 << 30                 # an earlier phase
+    device_memory.start_window(dev)
+    peak["now"] = 5 << 30                 # the reshard
+    device_memory.reset_peak(dev)         # the rollout's prefill probe
+    peak["now"] = 4 << 30
+    assert device_memory.window_peak(dev) == 5 << 30
+    assert device_memory.max_allocated(dev) == 9 << 30      # still the process's
+    device_memory.start_window(dev)
+    peak["now"] = 2 << 30
+    assert device_memory.window_peak(dev) == 2 << 30
+
+
+def test_trainer_phases_record_their_peaks_on_cuda(monkeypatch):
+    """Trainer._phase on a stand-in trainer whose device says cuda (counters faked): each
+    phase's own peak in phase_peaks (train_step logs perf/max_memory_allocated_gb/<phase>)."""
+    from types import SimpleNamespace
+
+    from hybridengine.rl.guards import Phases
+    from hybridengine.rl.trainer import Trainer
+    peak = _fake_counters(monkeypatch)
+    fake = SimpleNamespace(phases=Phases(0, 60.0), device=torch.device("cuda", 0),
+                           residency=SimpleNamespace(enter=lambda name: None), phase_peaks={})
+    for name, gib in (("rollout", 6), ("update_actor", 3)):
+        with Trainer._phase(fake, name):
+            peak["now"] = gib << 30
+    assert fake.phase_peaks == {"rollout": 6 << 30, "update_actor": 3 << 30}
+    fake.device = torch.device("cpu")     # off CUDA: none
+    fake.phase_peaks = {}
+    with Trainer._phase(fake, "ref"):
+        pass
+    assert fake.phase_peaks == {}

@@ -13,8 +13,9 @@ Batch: 256 sequences per step (PPO: 256 prompts; GRPO: 32 prompts x n=8), micro-
 to a token budget. JSON to stdout (per-step metrics of the timed steps, and their means; the
 steady state: median and slowest timed step, with its number; compile seconds per step,
 timing_s/compile; the memory plan's peak per rank (rl.memory, "plan") beside the measured one,
-the largest perf/max_memory_allocated_gb of any step (CUDA only), and their ratio); progress to
-stderr.
+the largest perf/max_memory_allocated_gb of any step (CUDA only), and their ratio; per phase,
+"phases": the plan's total beside the largest perf/max_memory_allocated_gb/<phase>, the trainer's
+rollout phase against the plan's reshard and rollout, whichever is larger); progress to stderr.
 
     python tools/bench_ppo.py --workload seed --algo ppo [--model 0.5b] [--steps 10 --warmup 3]
         [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile] [--defaults]
@@ -243,19 +244,50 @@ def prepare(args, work: Path) -> tuple[list[str], Path]:
     return overrides(args, model_dir, data, work / "out", val) + extra_overrides(args), model_dir
 
 
-def memory_check(trainer, measured_gb: float | None) -> dict:
+PHASE_PEAK = "perf/max_memory_allocated_gb/"
+# the trainer's rollout phase gathers the weights (the plan's reshard), then generates
+TRAINER_PHASE = {"reshard": "rollout"}
+
+
+def phase_peaks(peaks: dict[str, float], metrics: dict) -> dict[str, float]:
+    """`peaks` (phase -> GiB) raised to a step's perf/max_memory_allocated_gb/<phase>."""
+    for key, gb in metrics.items():
+        if key.startswith(PHASE_PEAK):
+            phase = key[len(PHASE_PEAK):]
+            peaks[phase] = max(peaks.get(phase, 0.0), gb)
+    return peaks
+
+
+def _ratio(measured, planned):
+    return measured / planned if measured and planned else None
+
+
+def memory_check(trainer, measured_gb: float | None,
+                 measured_phases: dict[str, float] | None = None) -> dict:
     """The memory plan the trainer prints at start (rl.memory: GiB per rank, its heaviest phase,
-    the KV slots it expects) beside `measured_gb`, the largest perf/max_memory_allocated_gb of
-    any step (None off CUDA, which reports none), and measured / planned."""
+    the KV slots it expects, each phase's total) beside `measured_gb`, the largest
+    perf/max_memory_allocated_gb of any step (None off CUDA, which reports none), and measured /
+    planned; "phases": per trainer phase, the plan's GiB (the larger of reshard and rollout for its
+    rollout; None for a phase the plan has not) beside `measured_phases` (phase_peaks: the
+    largest of any step; None where none was measured)."""
     t = trainer
     critic = t.critic.engine.cfg if t.critic is not None else None
     plan = plan_run_memory(t.cfg, t.layout, t.actor.engine.cfg, critic, t.device,
                            device_budget(t.cfg, t.device))
-    peak_gb = plan.peak / 2**30
+    peak_gb, measured_phases = plan.peak / 2**30, measured_phases or {}
+    planned = {p: plan.total(p) / 2**30 for p in plan.phases}
+    rows: dict[str, float | None] = {}        # trainer phase -> the plan's GiB (its largest)
+    for p, gb in planned.items():
+        name = TRAINER_PHASE.get(p, p)
+        rows[name] = max(rows.get(name) or 0.0, gb)
+    rows.update({name: None for name in measured_phases if name not in rows})
+    phases = {name: {"plan_gb": gb, "measured_gb": measured_phases.get(name),
+                     "measured_over_plan": _ratio(measured_phases.get(name), gb)}
+              for name, gb in rows.items()}
     return {"plan": {"peak_gb": peak_gb, "peak_phase": plan.peak_phase,
-                     "kv_slots": plan.kv_slots},
+                     "kv_slots": plan.kv_slots, "phases_gb": planned},
             "measured_peak_gb": measured_gb,
-            "measured_over_plan": measured_gb / peak_gb if measured_gb and peak_gb else None}
+            "measured_over_plan": _ratio(measured_gb, peak_gb), "phases": phases}
 
 
 def run(args) -> dict:
@@ -267,13 +299,14 @@ def run(args) -> dict:
     os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
     trainer = Trainer(cfg)
     batches = iter(trainer.sampler)
-    steps, step_s, compile_s, val_s, peak_gb = [], {}, {}, {}, None
+    steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
         if "perf/max_memory_allocated_gb" in m:
             peak_gb = max(peak_gb or 0.0, m["perf/max_memory_allocated_gb"])
+        phase_peaks(phase_gb, m)
         log(f"step {step}: {time.perf_counter() - t0:.2f} s, "
             f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU"
             + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else ""))
@@ -305,7 +338,8 @@ def run(args) -> dict:
             "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
-            "val_s": val_s, "mean": mean, "steps": steps, **memory_check(trainer, peak_gb),
+            "val_s": val_s, "mean": mean, "steps": steps,
+            **memory_check(trainer, peak_gb, phase_gb),
             **({"profile": profile} if profile is not None else {})}
 
 

@@ -26,6 +26,9 @@ try:  # torch >= 2.10
     _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
 except ImportError:  # pragma: no cover - older torch
     _varlen_attn, _VARLEN_GQA = None, False
+# training's packed attention on CUDA repeats K/V up to the query heads (GQA): autograd then keeps
+# the repeated k and v (train.activation_memory counts them)
+REPEATS_KV_IN_TRAINING = _varlen_attn is not None and not _VARLEN_GQA
 
 
 @dataclass

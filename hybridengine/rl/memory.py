@@ -12,6 +12,7 @@ import torch
 
 from hybridengine.config import uses_critic, uses_reference
 from hybridengine.hybrid.generator import max_prefill_tokens
+from hybridengine.models.attention import REPEATS_KV_IN_TRAINING
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
@@ -50,6 +51,15 @@ def _trained_offload(megatron) -> tuple[str, ...]:
     return offload_parts(megatron, True) + host_step
 
 
+def _compiled(role, device: torch.device) -> dict:
+    """RoleSpec's fields of what autograd saves in a role's training: its decoder layers
+    compiled (use_torch_compile; the engine compiles on CUDA only) and K/V repeated by CUDA's
+    attention."""
+    cuda = device.type == "cuda"
+    return dict(compiled=cuda and bool(role.use_torch_compile),
+                repeats_kv=cuda and REPEATS_KV_IN_TRAINING)
+
+
 def _lora_spec(model) -> dict:
     """RoleSpec's LoRA fields of a role's model section (none without adapters)."""
     if model.lora_rank <= 0:
@@ -74,7 +84,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
                              a.ppo_micro_batch_size_per_gpu, seq),
         forward_tokens=_tokens(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu,
                                r.log_prob_micro_batch_size_per_gpu, seq),
-        lora_rank=lora[0], lora_targets=lora[1])}
+        lora_rank=lora[0], lora_targets=lora[1], **_compiled(a, device))}
     if uses_reference(cfg) and not lora[0]:     # with LoRA the reference is the actor's base
         f = arr.ref
         roles["ref"] = RoleSpec(
@@ -93,7 +103,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
                                  c.ppo_micro_batch_size_per_gpu, seq),
             forward_tokens=_tokens(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
                                    c.forward_micro_batch_size_per_gpu, seq),
-            **_lora_spec(c.model))
+            **_lora_spec(c.model), **_compiled(c, device))
     rollout = RolloutSpec(seq, layout.rollout.tp, param_dtype(r.dtype, device), r.max_num_seqs,
                           None, r.gpu_memory_utilization, max_prefill_tokens(seq),
                           cfg.trainer.hybrid_engine.reshard_bucket_mb)

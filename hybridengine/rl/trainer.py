@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 from hybridengine.config import uses_critic, uses_reference
 from hybridengine.config.run import RunConfig
+from hybridengine.device_memory import start_window, window_peak
 from hybridengine.train.engine import TrainEngine
 from hybridengine.train import checkpoint as ckpt
 from hybridengine.parallel.mesh import Meshes, build_meshes
@@ -77,6 +78,7 @@ class Trainer:
             or (t.resume_mode == "auto" and ckpt.find_latest(self.root) is not None),
             group=meshes.world)
         self.phases = Phases(self.rank, cfg.trainer.collective_timeout_s)
+        self.phase_peaks: dict[str, int] = {}   # this step's device peak per phase (CUDA)
         torch.manual_seed(cfg.trainer.seed)
         model = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
@@ -165,7 +167,7 @@ class Trainer:
     # --- one step -----------------------------------------------------------------------------
     def train_step(self, step: int, indices: list[int], next_batch) -> dict:
         """One RL step on the prompts `indices` (next_batch() supplies more for DAPO)."""
-        timings = {}
+        timings, self.phase_peaks = {}, {}
         sync, phase = self.device.type == "cuda", self._phase
         with timer("step", timings, sync):
             with phase("rollout"):
@@ -203,6 +205,8 @@ class Trainer:
         out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics(),
                    **self.residency.pop_metrics())
         out.update({f"timing_s/{k}": v for k, v in timings.items()})
+        out.update({f"perf/max_memory_allocated_gb/{k}": v / 2**30
+                    for k, v in self.phase_peaks.items()})
         out.update(batch_metrics(batch, self.critic is not None))
         out.update(self._perf(batch, timings))
         return out
@@ -215,11 +219,18 @@ class Trainer:
     def _phase(self, name: str, timings: dict | None = None, sync: bool = False):
         """Phase `name` (guards.Phases: named in failures, timed when `timings`), with each
         role's offloaded parts moved where the phase needs them first (rl.residency); a
-        profiler range of that name (tools/profiling.py)."""
+        profiler range of that name (tools/profiling.py). On CUDA its device peak goes to
+        phase_peaks[name] (device_memory's window: from after the moves in, so that a phase's
+        peak is what it holds and computes, comparable to the plan's phase)."""
         with self.phases.enter(name):
             self.residency.enter(name)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            start_window(self.device)
         with self.phases.enter(name, timings, sync), record_function(name):
             yield
+        if cuda:
+            self.phase_peaks[name] = window_peak(self.device)
 
     def _old_logprob_from_update(self, num_sequences: int) -> bool:
         """On-policy (Actor.on_policy) and nothing before the update reads pi_old (no KL in the

@@ -16,12 +16,8 @@ the reshard arena (each generation weight that is not this rank's training param
 same name, shape and dtype, 16-byte aligned; its gather buffers are an upper bound).
 Estimates (T tokens of a micro-batch, b param bytes, t = tp, s = t with sequence parallelism
 else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_dim):
-  a = 2H/s + 2H + (q + 2kv) + 2(q + kv) + q + 4I + 2d elements saved per layer and token: norm
-      inputs, the gathered inputs of qkv and gate_up (autograd keeps them; Megatron re-gathers),
-      qkv, rotated q/k and their swap, attention output, gate/up, silu(gate), their product,
-      cos/sin (CUDA's saved tensors; the CPU kernels save a little more); + (q + kv) with
-      Qwen3's q/k norms (their inputs), + 2H/s with Gemma's post-attention / pre-MLP norms; not
-      counted: the soft-capped attention's per-sequence [h, n, n] scores (Gemma 2's torch path)
+  a elements saved per layer and token (train.activation_memory): the eager formula, or the
+      compiled one where the role's training compiles its decoder layers (RoleSpec.compiled)
   training activations, stage r of p: (p - r) micro-batches in flight (1F1B) x layers·T·a·b;
       with recomputation layers·T·(H/s)·b (layer inputs) + one rebuilt layer T·a·b
   forward-only activations: one layer's working set T·(a + 2H/s)·b
@@ -55,6 +51,7 @@ from hybridengine.models.moe import is_expert_param
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.tensor import padded_vocab_size
 from hybridengine.rollout.kv_cache import plan_num_slots
+from hybridengine.train.activation_memory import layer_activation_elements
 from hybridengine.train.engine import PARTS
 from hybridengine.train.optimizer import _ALIGN as GRAD_ALIGN
 
@@ -81,6 +78,8 @@ class RoleSpec:
     bucket_mb: float = 40.0
     offload: tuple[str, ...] = ()           # of PARTS
     recompute: bool = False
+    compiled: bool = False                  # training runs compiled decoder layers (CUDA)
+    repeats_kv: bool = False                # training attention repeats K/V (GQA, torch 2.11)
     train_tokens: int = 16384
     forward_tokens: int | None = None
     lora_rank: int = 0                      # > 0: the optimizer holds these adapters only
@@ -212,16 +211,6 @@ def grad_buckets(numels: list[int], bucket_mb: float | None, num_shards: int) ->
     return [-(-s // unit) * unit for s in sizes]
 
 
-def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool) -> float:
-    """a: elements per token one decoder layer saves for backward (module docstring)."""
-    h, d, s = cfg.hidden_size, cfg.head_dim, tp if sp else 1
-    q, kv, i = cfg.num_heads * d / tp, cfg.num_kv_heads * d / tp, cfg.intermediate_size / tp
-    qk_norm = q + kv if cfg.qk_norm else 0
-    sandwich = 2 * h / s if cfg.gemma else 0        # the inputs of Gemma's two extra norms
-    return 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d + qk_norm + \
-        sandwich
-
-
 def lora_numels(cfg: ModelConfig, tp: int, pp: int, pp_rank: int, rank: int,
                 targets: tuple[str, ...]) -> list[int]:
     """Elements of each adapter matrix on one rank (parallel.lora: a column layer's A [r, H]
@@ -261,12 +250,16 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             buckets = grad_buckets(part, spec.bucket_mb, shards) if part else []
             grads, master = grads + sum(buckets) * g, master + sum(buckets) // shards * g
     s = lay.tp if lay.sequence_parallel else 1
-    a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel)
+    a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel, spec.compiled,
+                                  spec.repeats_kv)
+    # a forward-only layer's working set: bounded by the eager count (without grad no K/V repeat)
+    a_fwd = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel)
     layers = len(range(*stage_layers(cfg.num_layers, lay.pp, pp_rank)))
     T, Tf = (-(-t // lay.cp) for t in (spec.train_tokens, spec.forward_tokens or
                                         spec.train_tokens))
     if lay.cp > 1 and lay.cp_attention == "allgather":
-        a += 2 * cfg.num_kv_heads // lay.tp * cfg.head_dim * (lay.cp - 1)
+        gathered = 2 * cfg.num_kv_heads // lay.tp * cfg.head_dim * (lay.cp - 1)
+        a, a_fwd = a + gathered, a_fwd + gathered
     act = (lay.pp - pp_rank) * layers * T * (h / s if spec.recompute else a) * b \
         + (T * a * b if spec.recompute else 0)
     logits = fwd_logits = 0
@@ -277,7 +270,7 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             return t * max(e - a for a, e, _ in _chunks(v, 0, v, t, None)) * b + t * h * b
         logits, fwd_logits = chunk(T) + T * h * 4 + v * h * b, chunk(Tf)
     return RoleMemory(sum(numels) * b, grads, master, 2 * master, int(act), logits,
-                      int(Tf * (a + 2 * h / s) * b), fwd_logits)
+                      int(Tf * (a_fwd + 2 * h / s) * b), fwd_logits)
 
 
 def reshard_memory(actor: RoleSpec, g: RolloutSpec,

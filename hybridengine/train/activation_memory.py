@@ -1,0 +1,54 @@
+"""Elements per token that one decoder layer saves for backward: train.memory_plan's `a`.
+
+Counted as CUDA saves them (bf16; the packed flash-attention of models.attention keeps q, k, v,
+its output and an fp32 [h, T] logsumexp), storages counted once, weights not counted. Symbols
+per TP rank: H hidden, s = t with sequence parallelism else 1, q / kv / I: query / key-value /
+intermediate width, d: head_dim.
+
+Eager autograd:
+  a = 2H/s + 2H + (q + 2kv) + 2(q + kv) + q + 4I + 2d: norm inputs, the gathered inputs of qkv
+      and gate_up (autograd keeps them; Megatron re-gathers), qkv, rotated q/k and their swap,
+      attention output, gate/up, silu(gate), their product, cos/sin in the layer's dtype; + (q +
+      kv) with Qwen3's q/k norms (their inputs), + 2H/s with Gemma's two extra norms (their
+      inputs). The CPU kernels save a little more (fp32 copies in the norms).
+Compiled (train.engine.compile_decoder_layers, inductor's min-cut partitioner: it keeps what a
+backward matmul reads anyway and recomputes the pointwise ops between):
+  a_compiled = 2H/s + 2H + (q + 2kv) + (q + kv) + q + 3I + 2d: the layer input, o_proj's output
+      (the MLP norm's input less the residual), the normed, gathered inputs of qkv and gate_up,
+      qkv, rotated q/k (their swap recomputed), attention output, gate/up and their product
+      (silu(gate) recomputed), cos/sin; + 0 with q/k norms (their outputs recomputed from qkv),
+      + H/s with Gemma's sandwich norms (the MLP output, the post-MLP norm's input).
+Both: + (q − 2kv) where training attention repeats K/V up to the query heads (a varlen_attn
+without enable_gqa, torch 2.11: models.attention.REPEATS_KV_IN_TRAINING): the repeated k and v,
+q each, are saved instead of qkv; compiled with q/k norms + 2q (qkv stays, for the norms'
+recomputation). Not counted: fp32 statistics (a norm's rstd, the logsumexp:
+4/b per norm and head, < 0.3% of `a` at Qwen2.5-0.5B); the soft-capped attention's per-sequence
+[h, n, n] scores (Gemma 2's torch path).
+
+Measured (tests/test_memory_plan.py, CPU inductor, bf16) within 0.5% at Qwen2 / Qwen3 / Gemma 3 /
+Llama shapes. The partitioner's choices depend on the joint graph and on torch._functorch.config,
+not on the device (its only device branch is RNG state, unused here), so CUDA is expected to save
+the same; GPU runs check it through perf/max_memory_allocated_gb/update_actor.
+"""
+from __future__ import annotations
+
+from hybridengine.models.decoder import ModelConfig
+
+
+def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool, compiled: bool = False,
+                              repeats_kv: bool = False) -> float:
+    """a (eager) or a_compiled (compiled): elements per token one decoder layer saves for
+    backward (module docstring); repeats_kv: the training attention repeats K/V (GQA)."""
+    h, d, s = cfg.hidden_size, cfg.head_dim, tp if sp else 1
+    q, kv, i = cfg.num_heads * d / tp, cfg.num_kv_heads * d / tp, cfg.intermediate_size / tp
+    if compiled:
+        a = 2 * h / s + 2 * h + (q + 2 * kv) + (q + kv) + q + 3 * i + 2 * d + \
+            (h / s if cfg.gemma else 0)
+    else:
+        qk_norm = q + kv if cfg.qk_norm else 0
+        sandwich = 2 * h / s if cfg.gemma else 0        # the inputs of Gemma's two extra norms
+        a = 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d + qk_norm + \
+            sandwich
+    if repeats_kv and kv < q:
+        a += 2 * q if compiled and cfg.qk_norm else q - 2 * kv
+    return a

@@ -1,0 +1,164 @@
+"""train.activation_memory against the bytes autograd saves in one decoder layer's forward, eager
+and compiled as the training engine compiles it (inductor, on the CPU here). The attention is an
+op that saves what CUDA's flash varlen_attn saves (q, k, v, out, an fp32 [h, T] logsumexp), so
+the count follows the CUDA rule; the CPU's per-sequence SDPA saves other tensors."""
+import dataclasses
+
+import pytest
+import torch
+
+from hybridengine.models import attention
+from hybridengine.models.attention import PackedCausalAttention, PackedInput
+from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.parallel.layout import Layout
+from hybridengine.rl import memory as rl_memory
+from hybridengine.train.activation_memory import layer_activation_elements
+from hybridengine.train.engine import compile_decoder_layers
+from hybridengine.train.memory_plan import RoleSpec, role_memory
+
+TOL = 0.05
+T = 256
+# GQA throughout (the repeat of K/V adds q - 2kv > 0 at each)
+SHAPES = {
+    "qwen2": dict(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=1,
+                  head_dim=32, attention_bias=True, model_type="qwen2"),
+    "qwen3": dict(hidden_size=128, intermediate_size=320, num_heads=4, num_kv_heads=1,
+                  head_dim=64, qk_norm=True, model_type="qwen3"),
+    "gemma3": dict(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=1,
+                   head_dim=32, qk_norm=True, model_type="gemma3_text",
+                   hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32),
+}
+
+
+@torch.library.custom_op("hybridengine_tests::varlen_rule", mutates_args=())
+def varlen_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence causal attention, out and a logsumexp [h, T] fp32 as flash returns them."""
+    out = attention._per_sequence_attention(q, k, v, cu.tolist())
+    return out, q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@varlen_rule.register_fake
+def _(q, k, v, cu):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("hybridengine_tests::varlen_rule_backward", mutates_args=())
+def varlen_rule_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor,
+                         cu: torch.Tensor) -> list[torch.Tensor]:
+    """Reads what flash's backward reads (out and lse too), so a traced backward saves them."""
+    return attention.per_sequence_attention_backward(grad, q, k, v, cu)
+
+
+@varlen_rule_backward.register_fake
+def _(grad, q, k, v, out, lse, cu):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _grad(ctx, grad, _grad_lse):
+    q, k, v, cu, out, lse = ctx.saved_tensors
+    return (*varlen_rule_backward(grad, q, k, v, out, lse, cu), None)
+
+
+varlen_rule.register_autograd(_grad, setup_context=_setup)
+
+
+def _cuda_rule_attention(repeats_kv: bool):
+    def attend(self, layer_idx, q, k, v, spec=None):
+        if repeats_kv:          # models.attention's training path on a torch without enable_gqa
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return varlen_rule(q, k, v, self.cu)[0]
+    return attend
+
+
+def _layer_saved_bytes(model: Decoder, packed: PackedInput) -> int:
+    """Bytes the decoder layers save for backward in one forward (storages counted once, no
+    weights; the RoPE tables, built once before the layers, not counted)."""
+    seen, inside = {}, [False]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if inside[0]:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(packed)
+    return sum(n for p, n in seen.items() if p not in params)
+
+
+def _inductor_compiles() -> bool:
+    try:
+        torch.compile(lambda x: x.sin() + 1, backend="inductor")(torch.ones(4))
+        return True
+    except Exception:           # no C++ compiler, or an inductor that cannot build for the CPU
+        return False
+
+
+@pytest.fixture(scope="module")
+def inductor():
+    if not _inductor_compiles():
+        pytest.skip("inductor cannot compile on this machine")
+
+
+def _measure(cfg: ModelConfig, compiled: bool, repeats_kv: bool, monkeypatch) -> float:
+    """Elements per token one bf16 layer saves, by the CUDA rule for attention."""
+    monkeypatch.setattr(PackedCausalAttention, "attend", _cuda_rule_attention(repeats_kv))
+    torch.manual_seed(0)
+    model = Decoder(cfg, dtype=torch.bfloat16).train()
+    if compiled:
+        torch._dynamo.reset()
+        compile_decoder_layers(model)
+    packed = PackedInput.from_lengths(torch.randint(0, cfg.vocab_size, (T,)), [T // 4] * 4)
+    # no compile cache: a cached graph of another test's attention op would be read back
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        saved = _layer_saved_bytes(model, packed)
+    return saved / T / cfg.num_layers / 2
+
+
+@pytest.mark.parametrize("name,repeats_kv", [("qwen2", False), ("qwen3", False),
+                                             ("gemma3", True)])
+def test_compiled_layer_saves_the_compiled_estimate(name, repeats_kv, inductor, monkeypatch,
+                                                    one_thread):
+    """Inductor's partitioner keeps what backward's matmuls read and recomputes the pointwise
+    ops between: a_compiled, about 0.65-0.8 of the eager count, within 5% of what it saves."""
+    cfg = ModelConfig(vocab_size=256, num_layers=1, tie_word_embeddings=True, **SHAPES[name])
+    measured = _measure(cfg, True, repeats_kv, monkeypatch)
+    est = layer_activation_elements(cfg, 1, False, compiled=True, repeats_kv=repeats_kv)
+    print(f"{name} compiled: estimate {est:.0f}, saved {measured:.1f} elements per token")
+    assert abs(est / measured - 1) < TOL
+    assert est < layer_activation_elements(cfg, 1, False, repeats_kv=repeats_kv)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_repeated_kv_adds_q_minus_2kv_to_the_eager_count(name, monkeypatch, one_thread):
+    """Eager bf16 (the CPU's composite norms save fp32 copies beside: the difference is exact)."""
+    cfg = ModelConfig(vocab_size=256, num_layers=1, tie_word_embeddings=True, **SHAPES[name])
+    diff = _measure(cfg, False, True, monkeypatch) - _measure(cfg, False, False, monkeypatch)
+    est = (layer_activation_elements(cfg, 1, False, repeats_kv=True)
+           - layer_activation_elements(cfg, 1, False))
+    assert diff == est == (cfg.num_heads - 2 * cfg.num_kv_heads) * cfg.head_dim
+
+
+def test_the_plan_counts_compiled_layers_where_the_role_compiles():
+    cfg = ModelConfig(vocab_size=256, num_layers=2, **SHAPES["qwen2"])
+    eager, compiled = (role_memory(RoleSpec(cfg, Layout(), compiled=c, train_tokens=T), 0)
+                       for c in (False, True))
+    a = layer_activation_elements(cfg, 1, False, compiled=True)
+    assert compiled.activations == int(2 * T * a * 2) < eager.activations
+    assert compiled.fwd_activations == eager.fwd_activations     # forward-only: eager count
+    assert rl_memory._compiled(dataclasses.make_dataclass("R", ["use_torch_compile"])(True),
+                               torch.device("cuda")) == \
+        {"compiled": True, "repeats_kv": attention.REPEATS_KV_IN_TRAINING}
+    assert not any(rl_memory._compiled(
+        dataclasses.make_dataclass("R", ["use_torch_compile"])(True), torch.device("cpu"))
+        .values())
