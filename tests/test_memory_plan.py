@@ -458,3 +458,28 @@ def test_moe_plan_equals_allocation(one_thread):
     arena, _, _, _ = mp.reshard_memory(RoleSpec(cfg, Layout(), torch.float32), rollout, 0)
     assert arena == hybrid._store.arena.numel() * hybrid._store.arena.element_size()
     hybrid.to_training()
+
+
+def test_host_step_keeps_master_and_moments_off_the_device_in_every_phase():
+    """optimizer_offload=host_step (train/host_step.py): no fp32 master or Adam moment on the
+    device in any phase; the update's new weight shards (parameter dtype, allocated after the
+    backward) are bounded by the activations they follow. At the Qwen2.5-7B shape on one rank
+    the update then needs weights + fp32 grads + activations + logits, not the 12 bytes per
+    parameter more of the device step."""
+    layout = Layout(1, 1, 1)
+    device = RoleSpec(QWEN2_5_7B, layout, train_tokens=8192, compiled=True)
+    host = dataclasses.replace(device, host_step=True, offload=("optimizer",))
+    on, off = role_memory(device, 0), role_memory(host, 0)
+    assert on.master > 0 and on.optimizer == 2 * on.master
+    assert off.master == off.optimizer == 0
+    assert (off.weights, off.grads, off.logits) == (on.weights, on.grads, on.logits)
+    shards = on.master // 4 * 2                 # this rank's bf16 slice of every bucket
+    assert off.activations == max(on.activations, shards)
+    plan = plan_memory({"actor": host}, None, PHASE_USES)
+    for phase, parts in plan.phases.items():
+        assert not {"actor.master", "actor.optimizer"} & set(parts), phase
+    assert plan.total("update_actor") == sum(
+        (off.weights, off.grads, off.activations, off.logits))
+    # a tiny budget's activations under the shards: the shards count instead
+    small = dataclasses.replace(host, train_tokens=16)
+    assert role_memory(small, 0).activations == shards

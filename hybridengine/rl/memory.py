@@ -44,9 +44,8 @@ def _tokens(dynamic: bool, max_tokens: int, micro: int | None, seq_len: int) -> 
 
 
 def _trained_offload(megatron) -> tuple[str, ...]:
-    """A trained role's offloaded parts. optimizer_offload=host_step counts as offloaded (on the
-    device in no phase but the update's, where only its staging buffers are: an over-estimate
-    there)."""
+    """A trained role's offloaded parts. optimizer_offload=host_step counts as offloaded; the
+    plan holds its optimizer state on the host in every phase (RoleSpec.host_step)."""
     host_step = ("optimizer",) if megatron.optimizer_offload == "host_step" else ()
     return offload_parts(megatron, True) + host_step
 
@@ -80,6 +79,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
         use_distributed_optimizer=a.megatron.use_distributed_optimizer,
         offload=_trained_offload(a.megatron),
         recompute=arr.model.enable_gradient_checkpointing,
+        host_step=a.megatron.optimizer_offload == "host_step",
         train_tokens=_tokens(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
                              a.ppo_micro_batch_size_per_gpu, seq),
         forward_tokens=_tokens(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu,
@@ -99,6 +99,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
             value_head=True, use_distributed_optimizer=c.megatron.use_distributed_optimizer,
             offload=_trained_offload(c.megatron),
             recompute=c.model.enable_gradient_checkpointing,
+            host_step=c.megatron.optimizer_offload == "host_step",
             train_tokens=_tokens(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu,
                                  c.ppo_micro_batch_size_per_gpu, seq),
             forward_tokens=_tokens(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,

@@ -31,8 +31,9 @@ else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_
 Not counted: per-parameter grads (one at a time), CUDA context, NCCL, fragmentation.
 
 Residency: a part (params, grads, optimizer = master + Adam) a role offloads is on the device
-only in the phases that use it (rl/residency.py PHASE_USES, passed in: rl/ is above train/).
-"reshard" is the gather (training weights + arena), "rollout" the generation (offloaded actor
+only in the phases that use it (rl/residency.py PHASE_USES, passed in: rl/ is above train/);
+with the host step no master or moment is on the device, the update's new weight shards
+instead. "reshard" is the gather (training weights + arena), "rollout" the generation (offloaded actor
 weights parked but those the generation model shares). Every rank's pipeline stages are
 planned; a phase shows its heaviest rank, `peak` the heaviest of all.
 """
@@ -78,6 +79,7 @@ class RoleSpec:
     bucket_mb: float = 40.0
     offload: tuple[str, ...] = ()           # of PARTS
     recompute: bool = False
+    host_step: bool = False                 # optimizer_offload=host_step (train/host_step.py)
     compiled: bool = False                  # training runs compiled decoder layers (CUDA)
     repeats_kv: bool = False                # training attention repeats K/V (GQA, torch 2.11)
     train_tokens: int = 16384
@@ -241,7 +243,7 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
         numels = numels + trained
         if spec.value_head and pp_rank == lay.pp - 1:
             trained = trained + [cfg.hidden_size]        # the value head trains beside them
-    grads = master = 0
+    grads = master = step_shards = 0
     if spec.trained:
         g = torch.promote_types(spec.dtype, torch.float32).itemsize
         dense = [math.prod(s) for n, s in params if not is_expert_param(n)] if ep else trained
@@ -249,6 +251,11 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             shards = replicas if spec.use_distributed_optimizer else 1
             buckets = grad_buckets(part, spec.bucket_mb, shards) if part else []
             grads, master = grads + sum(buckets) * g, master + sum(buckets) // shards * g
+        if spec.host_step:
+            # master weights and moments live in host memory; the step writes this rank's new
+            # weights into fresh device shards (parameter dtype) once the backward has freed
+            # the activations, whose place they take below
+            step_shards, master = master // g * b, 0
     s = lay.tp if lay.sequence_parallel else 1
     a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel, spec.compiled,
                                   spec.repeats_kv)
@@ -262,6 +269,7 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
         a, a_fwd = a + gathered, a_fwd + gathered
     act = (lay.pp - pp_rank) * layers * T * (h / s if spec.recompute else a) * b \
         + (T * a * b if spec.recompute else 0)
+    act = max(act, step_shards)
     logits = fwd_logits = 0
     if pp_rank == lay.pp - 1 and not spec.value_head:
         v = padded_vocab_size(cfg.vocab_size, lay.tp) // lay.tp
