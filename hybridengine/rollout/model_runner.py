@@ -98,13 +98,8 @@ class ModelRunner:
     def allocate(self) -> None:
         """Allocate the cache and the per-slot state (when not allocated); drop the graphs
         when the parameters moved (they were captured with the old addresses)."""
-        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
-        if self.cache is not None:
-            if ptrs != self._param_ptrs:
-                self.graphs.clear()
-            self._param_ptrs = ptrs
+        if self._allocated():
             return
-        self._param_ptrs = ptrs
         attn = self.model.layers[0].self_attn
         num_layers = len(self.model.layers)
         bpt = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
@@ -119,9 +114,7 @@ class ModelRunner:
         self.row_slots = torch.full((S,), S, **long)
         self.step_fin = torch.zeros(S, dtype=torch.bool, device=dev)
         self.cu_k_tail = torch.tensor([(S + 1) * L], **long)
-        self.buckets = graph_buckets(S)
-        if self.compiled and S > 1:       # torch.compile specialises size 1: pad it to 2
-            self.buckets = self.buckets[1:]
+        self.buckets = self._graph_buckets(S)
         if self.compiled or self.prefill_compiled:
             # the slot count follows the memory free at each allocation (after free()): the
             # compiled steps take any, instead of compiling again for a new one
@@ -129,6 +122,22 @@ class ModelRunner:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         self.graphs = DecodeGraphs(dev)
         self._uploaded_rows: list[int] | None = None
+
+    def _allocated(self) -> bool:
+        """Whether the cache is allocated; the graphs dropped if the parameters moved since
+        the last call (they were captured with the old addresses)."""
+        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        allocated = self.cache is not None
+        if allocated and ptrs != self._param_ptrs:
+            self.graphs.clear()
+        self._param_ptrs = ptrs
+        return allocated
+
+    def _graph_buckets(self, rows: int) -> list[int]:
+        """The decode graphs' batch sizes for `rows` rows; compiled, none of size 1 (torch.compile
+        specialises a dimension of size 1: such a batch pads to 2)."""
+        buckets = graph_buckets(rows)
+        return buckets[1:] if self.compiled and rows > 1 else buckets
 
     def free(self) -> None:
         """Release the cache, the state and the graphs (they point into the cache)."""

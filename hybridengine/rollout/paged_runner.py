@@ -35,7 +35,7 @@ from torch.profiler import record_function
 
 from hybridengine.kernels import decode_attention as triton_decode
 from hybridengine.models.attention import PackedInput
-from hybridengine.rollout.decode_graphs import DecodeGraphs, graph_buckets
+from hybridengine.rollout.decode_graphs import DecodeGraphs
 from hybridengine.rollout.kv_cache import kv_bytes_per_token
 from hybridengine.rollout.model_runner import ModelRunner
 from hybridengine.rollout.paged_cache import BlockAllocator, BlockTables, PagedKVCache
@@ -110,13 +110,8 @@ class PagedModelRunner(ModelRunner):
 
     def allocate(self) -> None:
         """As ModelRunner.allocate: the cache, the row state, the static decode buffers."""
-        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
-        if self.cache is not None:
-            if ptrs != self._param_ptrs:
-                self.graphs.clear()
-            self._param_ptrs = ptrs
+        if self._allocated():
             return
-        self._param_ptrs = ptrs
         attn = self.model.layers[0].self_attn
         num_layers, c, dev = len(self.model.layers), self.config, self.device
         bpt = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
@@ -134,9 +129,7 @@ class PagedModelRunner(ModelRunner):
         self.slot_mapping = torch.full((R,), self.scratch_slot, dtype=torch.long, device=dev)
         self.tables = torch.full((R, self.width), num_blocks, dtype=torch.int32, device=dev)
         self.step_fin = torch.zeros(R, dtype=torch.bool, device=dev)
-        self.buckets = graph_buckets(R)
-        if self.compiled and R > 1:       # torch.compile specialises size 1: pad it to 2
-            self.buckets = self.buckets[1:]
+        self.buckets = self._graph_buckets(R)
         if self.compiled or self.prefill_compiled:
             # the block count follows the memory free at each allocation: the compiled steps
             # take any

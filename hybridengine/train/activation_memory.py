@@ -25,7 +25,7 @@ recomputation). Not counted: fp32 statistics (a norm's rstd, the logsumexp:
 4/b per norm and head, < 0.3% of `a` at Qwen2.5-0.5B); the soft-capped attention's per-sequence
 [h, n, n] scores (Gemma 2's torch path).
 
-Measured (tests/test_memory_plan.py, CPU inductor, bf16) within 0.5% at Qwen2 / Qwen3 / Gemma 3 /
+Measured (tests/test_activation_memory.py, CPU inductor, bf16) within 0.5% at Qwen2 / Qwen3 / Gemma 3 /
 Llama shapes. The partitioner's choices depend on the joint graph and on torch._functorch.config,
 not on the device (its only device branch is RNG state, unused here), so CUDA is expected to save
 the same; GPU runs check it through perf/max_memory_allocated_gb/update_actor.
