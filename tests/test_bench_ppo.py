@@ -1,5 +1,7 @@
 """tools/bench_ppo.py: its --model shapes are Qwen2.5's (no weights written), and a --tiny run's
 JSON puts the memory plan beside the measured peak."""
+import json
+
 import pytest
 import torch
 
@@ -72,3 +74,31 @@ def test_memory_check_puts_each_phase_peak_beside_the_plan(monkeypatch):
         "update_actor": {"plan_gb": 20.0, "measured_gb": 18.0, "measured_over_plan": 0.9},
         "adv": {"plan_gb": None, "measured_gb": 1.0, "measured_over_plan": None}}
 
+
+
+def _plan_for(monkeypatch, capsys, *argv):
+    monkeypatch.setattr("sys.argv", ["bench_ppo.py", "--workload", "fixed", "--algo", "grpo",
+                                     "--defaults", *argv])
+    bench.main()
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_for_one_h200_picks_free_gradients_and_the_host_step(monkeypatch, capsys):
+    """offload=auto on one H200 (139.8 GiB) at the GRPO step's shapes, planned without a GPU.
+    3B: the gradient buckets freed during generation, so that the KV cache holds all 256
+    sequences (measured 2026-12-02 without them: 124-135 slots, the run in two waves). 7B: the
+    host step and freed gradients, nothing else: the weights' offload would add 28 GiB of host
+    memory on top of the host step's 85 (12 bytes per parameter), more than the H200 machine's
+    128 GB host can give. Too little host memory: one line naming the host."""
+    h3 = _plan_for(monkeypatch, capsys, "--plan-for", "139.8", "--model", "3b")
+    assert h3["auto_offload"] == ["actor.grad_offload=true"] and h3["kv_slots"] == 256
+    assert h3["errors"] == [] and h3["host_gib_per_rank"] == 0
+    h7 = _plan_for(monkeypatch, capsys, "--plan-for", "139.8", "--model", "7b")
+    assert h7["auto_offload"] == ["actor.grad_offload=true", "actor.optimizer_offload=host_step"]
+    assert h7["errors"] == [] and h7["kv_slots"] == 256
+    n = 7_615_616_512                 # Qwen2.5-7B's parameters (test_model_choices_are_...)
+    assert abs(h7["host_gib_per_rank"] * 2**30 / (12 * n) - 1) < 0.01
+    short = _plan_for(monkeypatch, capsys, "--plan-for", "139.8", "--host-gib", "80",
+                      "--model", "7b")
+    assert len(short["errors"]) == 1 and short["errors"][0].startswith(
+        "memory plan: the offloaded state needs 85.") and "80.00 GiB" in short["errors"][0]

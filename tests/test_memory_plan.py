@@ -417,12 +417,13 @@ def test_auto_offload_takes_the_cheapest_parts_that_make_the_batch_fit():
     chosen = rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu)
     assert chosen and chosen[0] == "actor.grad_offload=true", chosen   # free: no copy
     assert _holds_batch(cfg, layout, model)
-    fewer = dict(item.split("=") for item in chosen[:-1])
-    fewer = {k: v == "true" if v in ("true", "false") else v for k, v in fewer.items()}
-    assert not _holds_batch(*_default_run((lo - 1) / 1024, **{**dict.fromkeys(
-        ("actor.param_offload", "actor.grad_offload", "actor.optimizer_offload",
-         "ref.param_offload", "critic.param_offload", "critic.grad_offload",
-         "critic.optimizer_offload"), False), **fewer}))           # the shortest prefix
+    for dropped in chosen:               # each flag it set is needed
+        fewer = dict(item.split("=") for item in chosen if item != dropped)
+        fewer = {k: v == "true" if v in ("true", "false") else v for k, v in fewer.items()}
+        assert not _holds_batch(*_default_run((lo - 1) / 1024, **{**dict.fromkeys(
+            ("actor.param_offload", "actor.grad_offload", "actor.optimizer_offload",
+             "ref.param_offload", "critic.param_offload", "critic.grad_offload",
+             "critic.optimizer_offload"), False), **fewer})), dropped
     assert rl_memory.offload_summary(cfg).startswith("actor grads")
     # a flag set by hand stays as it is
     cfg, layout, model = _default_run((lo - 1) / 1024, **{"actor.grad_offload": False})
@@ -458,6 +459,38 @@ def test_moe_plan_equals_allocation(one_thread):
     arena, _, _, _ = mp.reshard_memory(RoleSpec(cfg, Layout(), torch.float32), rollout, 0)
     assert arena == hybrid._store.arena.numel() * hybrid._store.arena.element_size()
     hybrid.to_training()
+
+
+def test_host_memory_is_what_the_offload_keeps_on_the_host(one_thread):
+    """MemoryPlan.host: the host step's master and moments (HostStep's own state, after a step)
+    and the host copies of offloaded weights and optimizer state (TrainEngine.park); offloaded
+    gradients are freed, not kept."""
+    mesh = build_mesh(Layout())
+    spec = RoleSpec(CFG, Layout(), torch.bfloat16, bucket_mb=BUCKET_MB)
+    torch.manual_seed(0)
+    engine = TrainEngine(CFG, mesh, dtype=torch.bfloat16,
+                         optim=OptimConfig(lr=1e-3, bucket_mb=BUCKET_MB, host_step=True))
+    _one_step(engine, 1, False)
+    host_step = dataclasses.replace(spec, host_step=True, offload=("optimizer", "grads"))
+    state = engine.optimizer.memory_bytes()            # master and moments, on the host
+    assert all(b.master.device.type == "cpu" for b in engine.optimizer.buckets)
+    assert mp.host_memory(host_step, role_memory(host_step, 0)) == state
+    def _fresh():                # host buffers stay allocated once parked: a new engine
+        torch.manual_seed(0)
+        e = TrainEngine(CFG, mesh, dtype=torch.bfloat16,
+                        optim=OptimConfig(lr=1e-3, bucket_mb=BUCKET_MB))
+        _one_step(e, 1, False)
+        return e
+    engine = _fresh()
+    for parts in (("params",), ("optimizer",), ("grads",), ("params", "grads", "optimizer")):
+        engine.park(list(parts))
+        off = dataclasses.replace(spec, offload=parts)
+        assert mp.host_memory(off, role_memory(off, 0)) == engine.host_bytes(), parts
+        engine.unpark(list(parts))
+        engine = _fresh()
+    plan = plan_memory({"actor": host_step, "ref": dataclasses.replace(
+        spec, trained=False, offload=("params",))}, None, PHASE_USES)
+    assert plan.host == state + role_memory(spec, 0).weights
 
 
 def test_host_step_keeps_master_and_moments_off_the_device_in_every_phase():

@@ -33,6 +33,11 @@ adds its kernel table per phase (tools/profiling.py) as "profile".
     python tools/bench_ppo.py --prepare DIR [--workload ...]   # model + prompts in DIR, and
         # DIR/overrides.txt: launch/ppo.py's arguments for the same run (torchrun, several GPUs)
     python tools/bench_ppo.py --summarize DIR/metrics.jsonl [--warmup 3]   # its steady state
+    python tools/bench_ppo.py --plan-for 139.8 [--host-gib 108] --model 7b --algo grpo --defaults
+        # no GPU, no weights: what offload=auto picks and the plan's table for a CUDA device of
+        # that many GiB (and a host with that much for offloaded state), as JSON
+A run logs its setup's seconds, the memory plan's table and each phase's seconds of the first
+step (compilation) to stderr as they happen.
 """
 from __future__ import annotations
 
@@ -56,7 +61,8 @@ from hybridengine.config import load_config  # noqa: E402
 from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
-from hybridengine.rl.memory import device_budget, plan_run_memory  # noqa: E402
+from hybridengine.rl.memory import (device_budget, memory_errors, memory_report,  # noqa: E402
+                                    plan_run_memory, resolve_auto_offload)
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
 from profiling import profile_ranges  # noqa: E402
@@ -290,6 +296,63 @@ def memory_check(trainer, measured_gb: float | None,
             "measured_over_plan": _ratio(measured_gb, peak_gb), "phases": phases}
 
 
+@contextlib.contextmanager
+def _phase_logged(enter, name, *a, **kw):
+    t0 = time.perf_counter()
+    with enter(name, *a, **kw):
+        yield
+    log(f"  {name}: {time.perf_counter() - t0:.1f} s")
+
+
+class _log_phases:
+    """Log each phase of the trainer's first step as it ends (its compilation shows where
+    a slow first step spends its time); close() stops."""
+
+    def __init__(self, trainer):
+        self.phases, self.enter = trainer.phases, trainer.phases.enter
+        self.phases.enter = lambda name, *a, **kw: _phase_logged(self.enter, name, *a, **kw)
+
+    def close(self):
+        self.phases.enter = self.enter
+
+
+UNCHECKED_HOST_GIB = 2.0 ** 20      # --plan-for without --host-gib: a host that holds anything
+
+
+def plan_for(args) -> dict:
+    """--plan-for: the run's config with a config-only model directory (no weights), planned
+    for a CUDA device of args.plan_for GiB on this machine: offload=auto's choice, preflight's
+    error (if any), the table's lines, each phase's GiB, the host bytes."""
+    from hybridengine.config import validate_config
+    from hybridengine.models.hf import read_model_config
+    work = Path(tempfile.mkdtemp(prefix="bench_ppo_plan_"))
+    try:
+        model_dir = work / "model"
+        model_config(args.model).save_pretrained(str(model_dir))
+        data = make_data(work, args.workload, Path(args.gsm8k), num_rows=64)
+        ov = overrides(args, model_dir, data, work / "out") + extra_overrides(args) + [
+            "trainer.device=cuda", f"trainer.device_memory_gb={args.plan_for}",
+            f"trainer.host_memory_gb={args.host_gib or UNCHECKED_HOST_GIB}"]
+        cfg = load_config(ov)
+        layout = validate_config(cfg, 1)
+        model = read_model_config(str(model_dir))
+        critic = model if args.algo == "ppo" else None
+        cuda = torch.device("cuda")
+        chosen = resolve_auto_offload(cfg, layout, model, critic, cuda)
+        errors = memory_errors(cfg, layout, model, critic, cuda)
+        lines = memory_report(cfg, layout, model, critic, cuda)
+        plan = plan_run_memory(cfg, layout, model, critic, cuda, device_budget(cfg, cuda))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for line in lines + errors:
+        log(line)
+    return {"model": model_name(args.model), "algo": args.algo, "device_gib": args.plan_for,
+            "host_gib": args.host_gib, "auto_offload": chosen, "errors": errors,
+            "kv_slots": plan.kv_slots, "peak_phase": plan.peak_phase,
+            "phases_gib": {p: plan.total(p) / 2**30 for p in plan.phases},
+            "host_gib_per_rank": plan.host / 2**30}
+
+
 def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench_ppo_"))
     if args.tiny:
@@ -297,12 +360,21 @@ def run(args) -> dict:
     else:
         cfg = load_config(prepare(args, work)[0])
     os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
+    t0 = time.perf_counter()
     trainer = Trainer(cfg)
+    log(f"setup {time.perf_counter() - t0:.1f} s")
+    critic_model = trainer.critic.engine.cfg if trainer.critic is not None else None
+    for line in memory_report(trainer.cfg, trainer.layout, trainer.actor.engine.cfg,
+                              critic_model, trainer.device):
+        log(line)
+    first_phases = _log_phases(trainer)
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
+        if step == 1:
+            first_phases.close()
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
         if "perf/max_memory_allocated_gb" in m:
             peak_gb = max(peak_gb or 0.0, m["perf/max_memory_allocated_gb"])
@@ -372,8 +444,14 @@ def main():
     ap.add_argument("--prepare", metavar="DIR", help="write model, prompts, overrides; no steps")
     ap.add_argument("--summarize", metavar="METRICS_JSONL", help="a launch/ppo.py run's steady "
                                                                  "state (steps > --warmup)")
+    ap.add_argument("--plan-for", type=float, metavar="GIB", help="plan only, for a CUDA device "
+                    "of this many GiB (no GPU needed, no weights written)")
+    ap.add_argument("--host-gib", type=float, default=None,
+                    help="with --plan-for: host memory for offloaded state (default: no check)")
     args = ap.parse_args()
-    if args.summarize:
+    if args.plan_for:
+        print(json.dumps(plan_for(args)))
+    elif args.summarize:
         print(json.dumps(summarize(Path(args.summarize), args.warmup)))
     elif args.prepare:
         work = Path(args.prepare).resolve()

@@ -91,7 +91,7 @@ RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
         "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "trainer.total_epochs",
         "trainer.total_training_steps", "trainer.nnodes", "trainer.n_gpus_per_node",
         "trainer.collective_timeout_s", "trainer.hybrid_engine.reshard_bucket_mb",
-        "trainer.device_memory_gb")),
+        "trainer.device_memory_gb", "trainer.host_memory_gb")),
     ("must be >= 0", lambda v: v >= 0, (
         "trainer.hybrid_engine.reshard_direct_min_mb", _A + "entropy_coeff", _A + "kl_loss_coef", _A + "grad_clip", _A + "optim.lr",
         _A + "optim.weight_decay", "critic.grad_clip", "critic.optim.lr", "critic.optim.weight_decay",

@@ -286,6 +286,7 @@ class TrainerConfig:
     device: str
     collective_timeout_s: float
     device_memory_gb: float | None
+    host_memory_gb: float | None
     nan_policy: str
     critic_warmup: int
     hybrid_engine: HybridEngineSection

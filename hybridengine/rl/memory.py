@@ -4,9 +4,14 @@ settings fit), and the trainer prints the plan's table at start with a warning w
 cache holds fewer sequences than a generation replica's batch.
 
 The device budget is trainer.device_memory_gb, else the GPU's total memory; on the CPU, without
-that key, there is nothing to check against (the table is still printed).
+that key, there is nothing to check against (the table is still printed). What the offload keeps
+in host memory (weights, optimizer state, the host step's state) must fit the host too:
+trainer.host_memory_gb, else most of the memory the host has available at start (host_budget).
 """
 from __future__ import annotations
+
+import itertools
+import os
 
 import torch
 
@@ -16,12 +21,20 @@ from hybridengine.models.attention import REPEATS_KV_IN_TRAINING
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
-from hybridengine.train.memory_advice import fit_error, kv_slots_short
-from hybridengine.train.memory_plan import MemoryPlan, RoleSpec, RolloutSpec, plan_memory
+from hybridengine.train.memory_advice import fit_error, fits, kv_slots_short
+from hybridengine.train.memory_plan import (GiB, MemoryPlan, RoleSpec, RolloutSpec, host_memory,
+                                            plan_memory)
 
 
 # *.megatron.param_dtype and rollout.dtype: param_dtype's names
 PARAM_DTYPES = ("bfloat16", "float32")
+# share of the host's available memory the offloaded state may take without
+# trainer.host_memory_gb (the rest: the processes' own heap, loading, the page cache)
+HOST_SHARE = 0.85
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
 
 
 def param_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -111,14 +124,17 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
     return plan_memory(roles, rollout, PHASE_USES, device_bytes)
 
 
-# offload=auto's candidates, cheapest first: gradient buckets hold nothing between updates (freed,
-# no copy); weights cost one copy each way per step (2 bytes a parameter in bf16), the optimizer
-# twelve (fp32 master + Adam moments), host_step moves the Adam update itself to the CPU
-_AUTO_ORDER = (("actor", "grad_offload", True), ("critic", "grad_offload", True),
-               ("ref", "param_offload", True), ("critic", "param_offload", True),
-               ("actor", "param_offload", True), ("actor", "optimizer_offload", True),
-               ("critic", "optimizer_offload", True), ("actor", "optimizer_offload", "host_step"),
-               ("critic", "optimizer_offload", "host_step"))
+# offload=auto's values per flag, and what each costs a step: gradient buckets hold nothing
+# between updates (freed, no copy); weights cross PCIe once each way (their bytes twice), the
+# optimizer's fp32 master and moments likewise; host_step moves grads and weights only, but the
+# CPU's Adam (~30 bytes of host memory traffic per parameter) is slower than both copies
+_AUTO_VALUES = {"grad_offload": (True,), "param_offload": (True,),
+                "optimizer_offload": (True, "host_step")}
+# (part, value) -> (plan field, bytes moved per byte of that field); grads cost a token byte so
+# that, of two equal plans, the one with fewer flags wins
+_AUTO_COST = {("grads", True): ("grads", 1e-9), ("params", True): ("weights", 2.0),
+              ("optimizer", True): ("state", 2.0), ("optimizer", "host_step"): ("state", 3.0)}
+_PART = {flag: part for part, flag in OFFLOAD_FLAGS.items()}
 
 
 def _megatron(cfg, role: str):
@@ -137,15 +153,67 @@ def replica_sequences(cfg, layout) -> int:
     return -(-cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // layout.rollout.dp)
 
 
+def ranks_per_host() -> int:
+    """Ranks sharing this host's memory: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks per
+    node (srun; "4(x2)" reads 4), else 1."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        digits = "".join(itertools.takewhile(str.isdigit, os.environ.get(key, "")))
+        if digits:
+            return max(1, int(digits))
+    return 1
+
+
+def host_budget(cfg, device: torch.device) -> int | None:
+    """Host bytes the offloaded state of this host's ranks may take: trainer.host_memory_gb,
+    else on CUDA HOST_SHARE of the memory available now (/proc/meminfo MemAvailable: free pages
+    and reclaimable cache); None (no check) on the CPU without that key, or where the kernel
+    does not say."""
+    if cfg.trainer.host_memory_gb is not None:
+        return int(cfg.trainer.host_memory_gb * 2**30)
+    if device.type != "cuda":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return int(HOST_SHARE * kib * 1024)
+
+
+def _host_error(plan, host: int | None) -> str | None:
+    """None when the offloaded state of this host's ranks fits `host`; else one line."""
+    n = ranks_per_host()
+    if host is None or plan.host * n <= host:
+        return None
+    roles = plan.inputs[0]
+    parts = ", ".join(f"{r} {_gib(host_memory(s, plan.roles[r]))}" for r, s in roles.items()
+                      if host_memory(s, plan.roles[r]))
+    return (f"memory plan: the offloaded state needs {_gib(plan.host)} of host memory per rank "
+            f"({parts}), {n} rank(s) on this host: {_gib(plan.host * n)}, but the host has "
+            f"{_gib(host)} (trainer.host_memory_gb, else {HOST_SHARE:.0%} of MemAvailable): "
+            f"offload less (host_step keeps 12 bytes per trained parameter), use LoRA "
+            f"(actor_rollout_ref.model.lora_rank) or more GPUs")
+
+
+def _auto_cost(plan, role: str, part: str, value) -> float:
+    field, per_byte = _AUTO_COST[part, value]
+    mem = plan.roles[role]
+    size = mem.master + mem.optimizer if field == "state" else getattr(mem, field)
+    return per_byte * size
+
+
 def resolve_auto_offload(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
                          device: torch.device) -> list[str]:
     """Replace every `auto` offload flag of the loaded tree `cfg` (in place) with what the memory
     plan needs, and return the flags it set to something other than false ("actor.grad_offload=
-    true", ...). Without a device budget (module doc): false. Else, taking the auto flags in
-    _AUTO_ORDER, the shortest prefix after which the run fits the budget and the KV cache holds
-    a generation replica's whole batch (at most max_num_seqs) at once; when no prefix holds the
-    batch, the shortest that fits with the most KV slots; when none fits, all false (preflight
-    then reports the plan's error and the settings that would fit)."""
+    true", ...). Without a device budget (module doc): false. Else, of every assignment of the
+    auto flags (each false or one of _AUTO_VALUES), cheapest first by the bytes a step moves
+    (_AUTO_COST, sizes from the plan without offload), the first that fits the device and the
+    host (host_budget) and whose KV cache holds a generation replica's whole batch (at most
+    max_num_seqs) at once; when none holds the batch, the one that fits with the most KV slots
+    (the cheapest of those); when none fits both, the cheapest that fits the device (preflight
+    then reports the host's shortfall); when none fits the device, all false (preflight reports
+    the plan's error and the settings that would fit)."""
     auto = [(role, flag) for role in ("actor", "ref", "critic") for flag in OFFLOAD_FLAGS.values()
             if getattr(_megatron(cfg, role), flag, None) == "auto"]
     for role, flag in auto:
@@ -153,26 +221,36 @@ def resolve_auto_offload(cfg, layout, actor_model: ModelConfig, critic_model: Mo
     budget = device_budget(cfg, device)
     if budget is None or not auto:
         return []
-    steps = [(role, flag, value) for role, flag, value in _AUTO_ORDER
-             if (role, flag) in auto and role in _run_roles(cfg)]
+    host = host_budget(cfg, device)
+    base = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
+    flags = [(role, flag) for role, flag in auto if role in _run_roles(cfg) and (
+        role != "ref" or flag == "param_offload")]          # the reference trains nothing
+    options = [[(role, flag, v) for v in (False, *_AUTO_VALUES[flag])] for role, flag in flags]
+    ranked = sorted(itertools.product(*options), key=lambda combo: (
+        sum(_auto_cost(base, r, _PART[f], v) for r, f, v in combo if v is not False),
+        sum(v is not False for _, _, v in combo)))
     wanted = min(cfg.actor_rollout_ref.rollout.max_num_seqs, replica_sequences(cfg, layout))
-    best = None                 # (kv slots, -prefix length) of the best prefix that fits
-    for n in range(len(steps) + 1):
-        for role, flag, value in steps[:n]:
+    best = device_only = None   # (kv slots, -rank) of the best assignment that fits; the
+    for i, combo in enumerate(ranked):      # cheapest that fits the device but not the host
+        for role, flag, value in combo:
             setattr(_megatron(cfg, role), flag, value)
         plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
-        if fit_error(plan, budget) is None:
-            if plan.kv_slots >= wanted:
-                best = (plan.kv_slots, -n)
-                break
-            best = max(best or (plan.kv_slots, -n), (plan.kv_slots, -n))
-        for role, flag, _ in steps[:n]:
-            setattr(_megatron(cfg, role), flag, False)
-    chosen = steps[:-best[1]] if best else []
+        if not fits(plan, budget):
+            continue
+        if _host_error(plan, host) is not None:
+            device_only = i if device_only is None else device_only
+            continue
+        if plan.kv_slots >= wanted:
+            best = (plan.kv_slots, -i)
+            break
+        best = max(best or (plan.kv_slots, -i), (plan.kv_slots, -i))
+    # none fits both: the device-fitting one, so that preflight names the host as the limit
+    chosen = ranked[-best[1]] if best else ranked[device_only] if device_only is not None \
+        else [(r, f, False) for r, f in flags]
     for role, flag, value in chosen:
         setattr(_megatron(cfg, role), flag, value)
     return [f"{role}.{flag}={str(value).lower()}" for role, flag, value in chosen
-            if (role, flag, "host_step") not in chosen or value == "host_step"]
+            if value is not False]
 
 
 def memory_errors(cfg, layout, actor_model, critic_model, device: torch.device) -> list[str]:
@@ -181,7 +259,7 @@ def memory_errors(cfg, layout, actor_model, critic_model, device: torch.device) 
     if budget is None:
         return []
     plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
-    error = fit_error(plan, budget)
+    error = fit_error(plan, budget) or _host_error(plan, host_budget(cfg, device))
     return [error] if error else []
 
 
@@ -204,7 +282,11 @@ def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) 
     budget = device_budget(cfg, device)
     plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
     where = f", device budget {budget / 2**30:.1f} GiB" if budget else ""
+    host = host_budget(cfg, device)
     lines = [f"memory plan (GiB per rank, the heaviest rank of each phase{where}):",
-             *plan.table().splitlines(), f"offloaded to the host: {offload_summary(cfg)}"]
+             *plan.table().splitlines(), f"offloaded to the host: {offload_summary(cfg)}"
+             + (f" ({_gib(plan.host)} per rank, {ranks_per_host()} rank(s) on this host"
+                + (f" of {_gib(host)} allowed)" if host is not None else ")")
+                if plan.host else "")]
     warning = kv_slots_short(plan, replica_sequences(cfg, layout))
     return lines + ([f"warning: {warning}"] if warning else [])

@@ -14,13 +14,19 @@ decode shape fixed for the graphs, and they need no block table, which the varle
 older torch (2.11 on the GPU machine) may not take.
 
 The budget is a token count, or on CUDA a share of device memory (like vLLM's
-gpu_memory_utilization) minus what is allocated now and the measured activation peak.
+gpu_memory_utilization) minus what is allocated now, the measured activation peak and
+DEVICE_RESERVE of the device.
 """
 from __future__ import annotations
 
 import heapq
 
 import torch
+
+# share of device memory a CUDA cache budget leaves free: the decode graphs' pool, the
+# allocator's fragmentation and NCCL (the model runner and train.memory_plan both subtract it,
+# so that the plan's KV slots are the runner's)
+DEVICE_RESERVE = 0.05
 
 
 class SlotAllocator:

@@ -35,7 +35,8 @@ from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resol
 from hybridengine.rollout.compile_steps import (MAX_COMPILED_GRAPHS,  # noqa: F401
                                                 compile_decode_steps, compile_prefill_step)
 from hybridengine.rollout.decode_graphs import DecodeGraphs, graph_buckets
-from hybridengine.rollout.kv_cache import KVCache, kv_bytes_per_token, plan_num_slots
+from hybridengine.rollout.kv_cache import (DEVICE_RESERVE, KVCache, kv_bytes_per_token,
+                                          plan_num_slots)
 from hybridengine.rollout.prefill_plan import add_pad_index, dense_pays, prefill_plan
 from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample
@@ -184,8 +185,7 @@ class ModelRunner:
             del h, rows
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        # 5% of the device for the graphs' pool, the allocator's fragmentation and NCCL
-        return int(c.gpu_memory_utilization * total - base - peak - 0.05 * total)
+        return int((c.gpu_memory_utilization - DEVICE_RESERVE) * total - base - peak)
 
     # --- per generate call ------------------------------------------------------------------
     def begin(self, params: SamplingParams, num_seqs: int, max_gen: int) -> None:

@@ -173,6 +173,10 @@ class TrainEngine:
         """Device bytes of this engine parked in host memory (or freed) now."""
         return sum(p.parked_bytes for p in self._parking.values())
 
+    def host_bytes(self) -> int:
+        """Host bytes this engine's parking holds (freed gradients hold none)."""
+        return sum(p.host_bytes for p in self._parking.values())
+
     def require(self, *parts: str) -> None:
         """Raise instead of touching a parked part (its storage holds no bytes)."""
         parked = [p for p in parts if p in self._parking and self._parking[p].parked]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridengine.parallel.layout import Layout
+from hybridengine.rollout.kv_cache import DEVICE_RESERVE
 from hybridengine.train.engine import PARTS
 from hybridengine.train.memory_plan import (GiB, MemoryPlan, RoleSpec, RolloutSpec, plan_memory,
                                             rollout_fixed)
@@ -34,9 +35,18 @@ def _excess(plan: MemoryPlan, device: int) -> float:
     if g is None or plan.kv_slots >= 1:
         return miss
     bpt, L = rollout_fixed(roles["actor"], g)[0], g.max_model_len
+    room = (g.gpu_memory_utilization - DEVICE_RESERVE) * device
     short = (2 * L - g.kv_cache_tokens) * bpt if g.kv_cache_tokens is not None else \
-        plan.total("rollout") + 2 * L * bpt - g.gpu_memory_utilization * device
+        plan.total("rollout") + 2 * L * bpt - room
     return miss + max(short, 1)
+
+
+def fits(plan: MemoryPlan, device_bytes: int) -> bool:
+    """Whether the plan fits `device_bytes` per rank with room for a KV slot (fit_error's test,
+    without its search for settings)."""
+    if plan.inputs[3] != device_bytes:
+        plan = plan_memory(*plan.inputs[:3], device_bytes)
+    return _excess(plan, device_bytes) <= 0
 
 
 def _candidates(roles: dict[str, RoleSpec], g: RolloutSpec | None):

@@ -36,6 +36,10 @@ with the host step no master or moment is on the device, the update's new weight
 instead. "reshard" is the gather (training weights + arena), "rollout" the generation (offloaded actor
 weights parked but those the generation model shares). Every rank's pipeline stages are
 planned; a phase shows its heaviest rank, `peak` the heaviest of all.
+MemoryPlan.host: what the offload keeps in host memory on the heaviest rank (host_memory: copies
+of offloaded weights and optimizer state, the host step's master and moments; rl.memory checks
+it against the host). The KV cache's budget is the runner's: gpu_memory_utilization less
+rollout.kv_cache.DEVICE_RESERVE of the device, less the rollout phase's bytes.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ from hybridengine.models.lora import FUSED_LAYER
 from hybridengine.models.moe import is_expert_param
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.tensor import padded_vocab_size
-from hybridengine.rollout.kv_cache import plan_num_slots
+from hybridengine.rollout.kv_cache import DEVICE_RESERVE, plan_num_slots
 from hybridengine.train.activation_memory import layer_activation_elements
 from hybridengine.train.engine import PARTS
 from hybridengine.train.optimizer import _ALIGN as GRAD_ALIGN
@@ -115,6 +119,7 @@ class RoleMemory:
     logits: int = 0
     fwd_activations: int = 0
     fwd_logits: int = 0
+    host_state: int = 0             # host_step: fp32 master and moments in host memory
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class MemoryPlan:
     kv_limit: str
     reshard: int
     inputs: tuple = field(repr=False, default=())   # plan_memory's arguments, to re-plan
+    host: int = 0               # host memory of the offloaded parts, heaviest rank (host_memory)
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -243,7 +249,7 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
         numels = numels + trained
         if spec.value_head and pp_rank == lay.pp - 1:
             trained = trained + [cfg.hidden_size]        # the value head trains beside them
-    grads = master = step_shards = 0
+    grads = master = step_shards = host_state = 0
     if spec.trained:
         g = torch.promote_types(spec.dtype, torch.float32).itemsize
         dense = [math.prod(s) for n, s in params if not is_expert_param(n)] if ep else trained
@@ -255,7 +261,7 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             # master weights and moments live in host memory; the step writes this rank's new
             # weights into fresh device shards (parameter dtype) once the backward has freed
             # the activations, whose place they take below
-            step_shards, master = master // g * b, 0
+            step_shards, host_state, master = master // g * b, 3 * master, 0
     s = lay.tp if lay.sequence_parallel else 1
     a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel, spec.compiled,
                                   spec.repeats_kv)
@@ -278,7 +284,7 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             return t * max(e - a for a, e, _ in _chunks(v, 0, v, t, None)) * b + t * h * b
         logits, fwd_logits = chunk(T) + T * h * 4 + v * h * b, chunk(Tf)
     return RoleMemory(sum(numels) * b, grads, master, 2 * master, int(act), logits,
-                      int(Tf * (a_fwd + 2 * h / s) * b), fwd_logits)
+                      int(Tf * (a_fwd + 2 * h / s) * b), fwd_logits, host_state)
 
 
 def reshard_memory(actor: RoleSpec, g: RolloutSpec,
@@ -332,6 +338,15 @@ def rollout_fixed(actor: RoleSpec, g: RolloutSpec) -> tuple[int, int]:
     return int(2 * cfg.num_layers * kv * b), int(prefill + sampling)
 
 
+def host_memory(spec: RoleSpec, mem: RoleMemory) -> int:
+    """Host bytes a role keeps on one rank: the copies of its offloaded weights and optimizer
+    state (master + moments), the host step's state; offloaded gradients are freed, not kept."""
+    out = mem.host_state
+    for part in spec.offload:
+        out += {"params": mem.weights, "optimizer": mem.master + mem.optimizer}.get(part, 0)
+    return out
+
+
 # --- the plan --------------------------------------------------------------------------------
 
 def _phase(phase, roles, mems, stages, uses, gen, rs) -> dict[str, int]:
@@ -379,7 +394,8 @@ def plan_memory(roles: Mapping[str, RoleSpec], rollout: RolloutSpec | None,
         (bpt, work), L, budget = rollout_fixed(roles["actor"], g), g.max_model_len, None
         if g.kv_cache_tokens is None and device_bytes is not None:
             used = max(sum(out["rollout"].values()) for _, out in per_rank)
-            budget = int(g.gpu_memory_utilization * device_bytes - used - work)
+            # the runner's own budget (rollout.model_runner): the same reserve off the device
+            budget = int((g.gpu_memory_utilization - DEVICE_RESERVE) * device_bytes - used - work)
         try:
             slots = plan_num_slots(g.max_num_seqs, L, bpt, g.kv_cache_tokens, budget)
         except ValueError:                  # the runner refuses: no sequence fits
@@ -394,6 +410,8 @@ def plan_memory(roles: Mapping[str, RoleSpec], rollout: RolloutSpec | None,
     plan_phases = {p: {k: v for k, v in heaviest[p][1][p].items() if v} for p in phases}
     peak = max(phases, key=lambda p: sum(plan_phases[p].values())) if phases else None
     combo = heaviest[peak][0] if peak else combos[0]
+    host = max(sum(host_memory(s, mems[r, st]) for (r, s), st in zip(roles.items(), co))
+               for co in combos)
     return MemoryPlan(plan_phases, {r: mems[r, st] for r, st in zip(roles, combo)}, kv_cache,
                       slots, limit, max((a + b + k for a, b, _, k in resh.values()), default=0),
-                      (roles, rollout, dict(phase_uses), device_bytes))
+                      (roles, rollout, dict(phase_uses), device_bytes), host)

@@ -64,6 +64,11 @@ class HostParking:
         """Device bytes freed now."""
         return sum(self._nbytes[i] for i in self._parked)
 
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held for these storages (allocated at the first park, kept for the next)."""
+        return sum(h.numel() * h.element_size() for h in self._host if h is not None)
+
     @torch.no_grad()
     def park(self, skip: Iterable[torch.Tensor] = ()) -> float:
         """Copy to the host (keep_values) and free the device memory, except the storages of the
