@@ -36,8 +36,8 @@ adds its kernel table per phase (tools/profiling.py) as "profile".
     python tools/bench_ppo.py --plan-for 139.8 [--host-gib 108] --model 7b --algo grpo --defaults
         # no GPU, no weights: what offload=auto picks and the plan's table for a CUDA device of
         # that many GiB (and a host with that much for offloaded state), as JSON
-A run logs its setup's seconds, the memory plan's table and each phase's seconds of the first
-step (compilation) to stderr as they happen.
+A run logs its setup's seconds, the memory plan's table, and each phase's seconds and the device
+memory allocated after it to stderr as they happen.
 """
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_ac
         "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
         "timing_s/update_critic", "timing_s/update_actor", "timing_s/offload", "timing_s/compile",
         "reshard/bytes_per_rank", "rollout/num_slots", "rollout/max_concurrent",
-        "response_length/mean", "prompt_length/mean"]
+        "response_length/mean", "prompt_length/mean",
+        # per step: a drift here is memory that one step leaves to the next
+        "perf/max_memory_allocated_gb/rollout", "perf/max_memory_allocated_gb/update_actor"]
 # Qwen2.5 base models (their config.json): hidden, intermediate, layers, heads, KV heads,
 # vocabulary, tied embeddings; all: rope_theta 1e6, rms_norm_eps 1e-6, 32768 positions
 QWEN25 = {"0.5b": (896, 4864, 24, 14, 2, 151936, True),
@@ -296,27 +298,21 @@ def memory_check(trainer, measured_gb: float | None,
             "measured_over_plan": _ratio(measured_gb, peak_gb), "phases": phases}
 
 
-@contextlib.contextmanager
-def _phase_logged(enter, name, *a, **kw):
-    t0 = time.perf_counter()
-    with enter(name, *a, **kw):
-        yield
-    log(f"  {name}: {time.perf_counter() - t0:.1f} s")
+def _log_phases(trainer) -> None:
+    """Log each phase of the trainer's steps as it ends (with the offload moves into it), with
+    the device memory still allocated after it: where a slow first step (compilation) spends
+    its time, and which phase leaves memory to the next step."""
+    phase = trainer._phase
 
-
-class _log_phases:
-    """Log each phase of the trainer's first step as it ends (its compilation shows where
-    a slow first step spends its time); close() stops."""
-
-    def __init__(self, trainer):
-        self.phases, self.enter = trainer.phases, trainer.phases.enter
-        self.phases.enter = lambda name, *a, **kw: _phase_logged(self.enter, name, *a, **kw)
-
-    def close(self):
-        self.phases.enter = self.enter
-
-
-UNCHECKED_HOST_GIB = 2.0 ** 20      # --plan-for without --host-gib: a host that holds anything
+    @contextlib.contextmanager
+    def logged(name, *a, **kw):
+        t0 = time.perf_counter()
+        with phase(name, *a, **kw):
+            yield
+        held = f", {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated after it" \
+            if torch.cuda.is_available() else ""
+        log(f"  {name}: {time.perf_counter() - t0:.1f} s{held}")
+    trainer._phase = logged
 
 
 def plan_for(args) -> dict:
@@ -367,14 +363,12 @@ def run(args) -> dict:
     for line in memory_report(trainer.cfg, trainer.layout, trainer.actor.engine.cfg,
                               critic_model, trainer.device):
         log(line)
-    first_phases = _log_phases(trainer)
+    _log_phases(trainer)
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
-        if step == 1:
-            first_phases.close()
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
         if "perf/max_memory_allocated_gb" in m:
             peak_gb = max(peak_gb or 0.0, m["perf/max_memory_allocated_gb"])
