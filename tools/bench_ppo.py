@@ -315,6 +315,9 @@ def _log_phases(trainer) -> None:
     trainer._phase = logged
 
 
+UNCHECKED_HOST_GIB = 2.0 ** 20      # --plan-for without --host-gib: a host that holds anything
+
+
 def plan_for(args) -> dict:
     """--plan-for: the run's config with a config-only model directory (no weights), planned
     for a CUDA device of args.plan_for GiB on this machine: offload=auto's choice, preflight's
