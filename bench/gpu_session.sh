@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: paged trl tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: paged paged_ppo trl tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -136,6 +136,15 @@ for p in $parts; do case $p in
              long)   run paged_long python3 tools/bench_rollout.py --compile --compile-prefill --kv-layout paged $long --repeat 1 --variants static ;;
              long7b) run paged_long_7b python3 tools/bench_rollout.py --model qwen2.5-7b --compile --compile-prefill --kv-layout paged $long --repeat 1 ;;
            esac; done ;;
+  paged_ppo) # issue 25: the GRPO step (0.5B, 32 prompts x 8, defaults) with responses of up to
+           # 4,096 tokens stopping at lognormal lengths (mean 1,024), the static KV layout
+           # against the paged one (PAGED_SIGMA: the spread)
+           data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
+           for layout in ${PAGED_LAYOUTS:-static paged}; do
+             T=${T:-580} run "grpo_long_$layout" python3 tools/bench_ppo.py --workload fixed --algo grpo \
+               --defaults --warmup 1 --steps 2 --response-lengths "lognormal:1024:${PAGED_SIGMA:-0.8}" \
+               --set data.max_response_length=4096 --set actor_rollout_ref.rollout.kv_layout=$layout $data
+           done ;;
   trl)     # issue 27's peer in the same call: TRL's GRPOTrainer (HF generate) at the fixed
            # workload's shape, 3 steps (../shared/bench/hf_trl_baseline.py copied to .benchdata/;
            # trl, datasets, dill, multiprocess wheels in .whl/)

@@ -133,7 +133,9 @@ def default_job_run(tmp_path_factory):
 # tests/test_profiling.py checks its per-phase profile and offload timing, tests/test_bench_ppo.py
 # its memory plan beside the measured peak (which the profile and offload leave in the JSON).
 BENCH_PPO_TINY = ["--tiny", "--steps", "1", "--warmup", "0", "--profile", "--offload",
-                  "grads,optimizer", "--set", "data.max_response_length=8"]
+                  "grads,optimizer", "--set", "data.max_response_length=8",
+                  "--response-lengths", "lognormal:5:0.5",       # stops that EOS would not
+                  "--set", "actor_rollout_ref.rollout.ignore_eos=true"]
 
 
 @pytest.fixture(scope="session")

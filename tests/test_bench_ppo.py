@@ -45,6 +45,23 @@ def test_tiny_run_reports_the_memory_plan(bench_ppo_tiny):
     assert out["steps"][0]["rollout/max_concurrent"] == 128      # 16 prompts x 8: all at once
 
 
+def test_tiny_run_draws_response_lengths_and_logs_its_phases(bench_ppo_tiny):
+    """--response-lengths lognormal:5:0.5 with EOS ignored: step 1's responses stop at the
+    budgets of the first draw (16 prompts, capped at data.max_response_length=8); setup and
+    each phase are logged as they end."""
+    from bench_rollout import response_lengths
+    returncode, stderr, out = bench_ppo_tiny
+    assert returncode == 0, stderr[-3000:]
+    budgets = response_lengths("lognormal:5:0.5", 16, 8, seed=1)
+    assert len(set(budgets)) > 2           # a spread, not the cap
+    assert out["steps"][0]["response_length/mean"] == pytest.approx(sum(budgets) / 16)
+    assert out["response_lengths"] == "lognormal:5:0.5"
+    lines = stderr.splitlines()
+    assert any(ln.startswith("[bench_ppo] setup ") for ln in lines)
+    for phase in ("rollout", "old_log_prob", "update_actor"):
+        assert any(ln.startswith(f"[bench_ppo]   {phase}: ") for ln in lines), phase
+
+
 def test_memory_check_puts_each_phase_peak_beside_the_plan(monkeypatch):
     """perf/max_memory_allocated_gb/<phase> of the steps (their largest) beside the plan's phase
     totals; the trainer's rollout against the larger of the plan's reshard and rollout."""

@@ -26,6 +26,8 @@ rollout phase against the plan's reshard and rollout, whichever is larger); prog
 configs/cuda_defaults.yaml) instead of setting them from the flags above and --max-tokens.
 --val-every K validates (greedy, n = 1) on GSM8K test prompts after every K-th step, as the
 trainer's test_freq does (its seconds: "val_s").
+--response-lengths lognormal:MEAN:SIGMA stops each prompt's responses at a length drawn every step
+(mean MEAN, capped at data.max_response_length, e.g. --set data.max_response_length=4096).
 --offload moves those parts of the actor and critic to the host outside the phases that use
 them (megatron.*_offload, rl.residency); --profile runs one more step under torch.profiler and
 adds its kernel table per phase (tools/profiling.py) as "profile".
@@ -352,6 +354,32 @@ def plan_for(args) -> dict:
             "host_gib_per_rank": plan.host / 2**30}
 
 
+def _draw_response_lengths(trainer, spec: str) -> None:
+    """--response-lengths lognormal:MEAN:SIGMA: every generation of the trainer's rollout stops
+    each prompt's responses at a budget drawn afresh (bench_rollout's draw, capped at the
+    sampling's max_tokens; one draw per call over the global batch, indexed by the prompt's
+    global index, so every replica reads the same budgets): random weights, which rarely stop,
+    then spread their lengths as reasoning outputs do."""
+    from bench_rollout import response_lengths
+    generator, calls = trainer.generator, iter(range(1, 1 << 30))
+    make_engine = generator._rollout_engine
+
+    def engine_for(model):
+        engine = make_engine(model)
+        if getattr(engine, "bench_generate", None) is None:
+            engine.bench_generate = engine.generate
+
+            def generate(prompts, params, prompt_indices=None, max_tokens=None):
+                index = prompt_indices if prompt_indices is not None else range(len(prompts))
+                size = max(trainer.cfg.data.train_batch_size, max(index, default=0) + 1)
+                budgets = response_lengths(spec, size, params.max_tokens, seed=next(calls))
+                return engine.bench_generate(prompts, params, prompt_indices,
+                                             [budgets[i] for i in index])
+            engine.generate = generate
+        return engine
+    generator._rollout_engine = engine_for
+
+
 def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench_ppo_"))
     if args.tiny:
@@ -367,6 +395,8 @@ def run(args) -> dict:
                               critic_model, trainer.device):
         log(line)
     _log_phases(trainer)
+    if args.response_lengths:
+        _draw_response_lengths(trainer, args.response_lengths)
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     for step in range(1, args.warmup + args.steps + 1):
@@ -405,6 +435,8 @@ def run(args) -> dict:
             "train_compile": cfg.actor_rollout_ref.actor.use_torch_compile,
             "cuda_graphs": not cfg.actor_rollout_ref.rollout.enforce_eager,
             "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
+            "response_lengths": args.response_lengths,
+            "kv_layout": cfg.actor_rollout_ref.rollout.kv_layout,
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
             "val_s": val_s, "mean": mean, "steps": steps,
@@ -441,6 +473,9 @@ def main():
     ap.add_argument("--prepare", metavar="DIR", help="write model, prompts, overrides; no steps")
     ap.add_argument("--summarize", metavar="METRICS_JSONL", help="a launch/ppo.py run's steady "
                                                                  "state (steps > --warmup)")
+    ap.add_argument("--response-lengths", default=None, metavar="lognormal:MEAN:SIGMA",
+                    help="each prompt's responses stop at a length drawn per step (capped at "
+                         "data.max_response_length; bench_rollout's draw)")
     ap.add_argument("--plan-for", type=float, metavar="GIB", help="plan only, for a CUDA device "
                     "of this many GiB (no GPU needed, no weights written)")
     ap.add_argument("--host-gib", type=float, default=None,
