@@ -283,6 +283,22 @@ def test_fit_error_combines_settings_when_no_single_one_fits():
     assert plan_memory(_apply(roles, None, chain[:-1])[0], None, PHASE_USES).peak > device
 
 
+def test_fit_error_suggests_the_host_step_only_where_the_host_holds_it():
+    """Qwen2.5-7B actor and reference on one GPU of 60 GiB: the suggestions include the host
+    step (the only way the update fits), unless host_fits refuses the plans that need it."""
+    roles = {r: s for r, s in _run_roles(Layout(1, 1, 1)).items() if r != "critic"}
+    plan, device = plan_memory(roles, None, PHASE_USES), 60 << 30
+    msg = fit_error(plan, device)
+    print(msg)
+    assert "actor_rollout_ref.actor.megatron.optimizer_offload=host_step" in msg
+    chain = re.search(r"fits with (.*) together$", msg).group(1).split(" and ")
+    new_roles, _ = _apply(roles, None, chain)
+    assert new_roles["actor"].host_step and plan_memory(new_roles, None, PHASE_USES).peak <= device
+    small_host = fit_error(plan, device, host_fits=lambda p: p.host < (10 << 30))
+    print(small_host)
+    assert "host_step" not in small_host and "no combination" in small_host
+
+
 def test_rollout_without_kv_room_and_short_cache_warnings():
     """With gpu_memory_utilization the cache takes what the rollout phase leaves; none left is a
     fit error that suggests the utilisation or an offload; fewer slots than the batch, a
@@ -356,7 +372,12 @@ def test_a_run_that_cannot_fit_its_device_budget_exits_2_with_one_line(tmp_path)
         for name, gb in (("small", 0.01), ("ok", 4)):
             launches.start(name, cmd + [f"trainer.default_local_dir={tmp_path / name}",
                                         f"trainer.device_memory_gb={gb}"], env=env, timeout=300)
-        small, ok = launches.result("small"), launches.result("ok")
+        # the optimizer state offloaded by hand to a host that allows less than it
+        launches.start("host", cmd + [f"trainer.default_local_dir={tmp_path / 'host'}",
+                                      "trainer.device_memory_gb=4", "trainer.host_memory_gb=0.0001",
+                                      "actor_rollout_ref.actor.megatron.optimizer_offload=true"],
+                       env=env, timeout=300)
+        small, ok, host = (launches.result(n) for n in ("small", "ok", "host"))
     finally:
         launches.close()
     errors = [ln for ln in small.stderr.splitlines() if ln.startswith("error: ")]
@@ -365,6 +386,11 @@ def test_a_run_that_cannot_fit_its_device_budget_exits_2_with_one_line(tmp_path)
         small.stderr[-2000:]
     assert "but the device has 0.01 GiB" in errors[0]
     assert not (tmp_path / "small").exists()             # refused before anything was written
+    errors = [ln for ln in host.stderr.splitlines() if ln.startswith("error: ")]
+    assert host.returncode == 2 and len(errors) == 1, host.stderr[-2000:]
+    assert errors[0].startswith("error: memory plan: the offloaded state needs ") and \
+        "but the host has 0.00 GiB" in errors[0], errors[0]
+    assert not (tmp_path / "host").exists()
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "memory plan (GiB per rank, the heaviest rank of each phase, device budget 4.0 GiB)" \
         in ok.stdout

@@ -259,7 +259,9 @@ def memory_errors(cfg, layout, actor_model, critic_model, device: torch.device) 
     if budget is None:
         return []
     plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
-    error = fit_error(plan, budget) or _host_error(plan, host_budget(cfg, device))
+    host = host_budget(cfg, device)
+    error = fit_error(plan, budget, lambda p: _host_error(p, host) is None) or \
+        _host_error(plan, host)
     return [error] if error else []
 
 

@@ -5,6 +5,7 @@ the batch needs at once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from hybridengine.parallel.layout import Layout
@@ -70,6 +71,9 @@ def _candidates(roles: dict[str, RoleSpec], g: RolloutSpec | None):
         for part in [p for p in (PARTS if s.trained else PARTS[:1]) if p not in s.offload]:
             yield f"{meg}.{_FLAGS[part]}=true", change(name, lambda x, _, p=part: replace(
                 x, offload=x.offload + (p,))), g
+        if s.trained and not s.host_step:       # the optimizer's step on the host
+            yield f"{meg}.optimizer_offload=host_step", change(name, lambda x, _: replace(
+                x, offload=tuple(dict.fromkeys(x.offload + ("optimizer",))), host_step=True)), g
         if s.trained and ckpt and not s.recompute:
             yield f"{ckpt}=true", change(name, lambda x, _: replace(x, recompute=True),
                                          "recompute"), g
@@ -91,11 +95,13 @@ def _candidates(roles: dict[str, RoleSpec], g: RolloutSpec | None):
             g, gpu_memory_utilization=u)
 
 
-def fit_error(plan: MemoryPlan, device_bytes: int) -> str | None:
+def fit_error(plan: MemoryPlan, device_bytes: int,
+              host_fits: Callable[[MemoryPlan], bool] | None = None) -> str | None:
     """None when the plan fits `device_bytes` per rank (with a KV slot); else one line: the phase
     that overflows, its largest parts, the device, and the single settings that, re-planned, fit
     (the mildest value per key); else the changes, picked greedily, that fit together; else
-    that nothing does."""
+    that nothing does. host_fits: whether a re-planned setting's host memory fits (a setting
+    that fits the device but not the host is not named)."""
     roles, g, uses, planned_for = plan.inputs
     plan = plan if planned_for == device_bytes else plan_memory(roles, g, uses, device_bytes)
     excess = _excess(plan, device_bytes)
@@ -112,9 +118,14 @@ def fit_error(plan: MemoryPlan, device_bytes: int) -> str | None:
             f" leaves no room for one sequence of max_model_len={g.max_model_len}"
     head = f"memory plan: {phase} needs {_gib(plan.total(phase))} per GPU ({parts}) {why}"
 
+    def excess_of(r, g2):      # over the device; a plan the host cannot hold never fits
+        p = plan_memory(r, g2, uses, device_bytes)
+        x = _excess(p, device_bytes)
+        return x if x > 0 or host_fits is None or host_fits(p) else 1
+
     def replan(candidates):     # [(excess, setting, roles, rollout)], best first
-        return sorted(((_excess(plan_memory(r, g2, uses, device_bytes), device_bytes), s, r, g2)
-                       for s, r, g2 in candidates if r is not None), key=lambda c: c[0])
+        return sorted(((excess_of(r, g2), s, r, g2) for s, r, g2 in candidates
+                       if r is not None), key=lambda c: c[0])
     tried, ok = replan(_candidates(roles, g)), {}
     for x, s, r, g2 in tried:
         if x <= 0 and s.split("=")[0] not in ok:
