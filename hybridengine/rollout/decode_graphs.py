@@ -24,6 +24,22 @@ def graph_buckets(max_rows: int) -> list[int]:
     return sorted({s for s in sizes if s < max_rows} | {max_rows})
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of every warm-up and capture on `device`. cuBLAS keeps a workspace
+    per (handle, stream), allocated by torch's caching allocator and never freed (tens of MiB on
+    Hopper), and torch hands out its 32 pooled streams round-robin: a new stream per capture
+    left a workspace behind per capture until all 32 had one, memory the next KV cache could
+    not have (the likely cause of the 3B GRPO run's KV slots falling 135, 131, 129, 126, 124
+    over its first 5 steps, 2026-12-02)."""
+    device = torch.device(device)
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 class DecodeGraphs:
     """The captured decode graphs by key, sharing one memory pool."""
 
@@ -42,7 +58,7 @@ class DecodeGraphs:
     def capture(self, key, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Run step() once on a side stream (warm-up: cuBLAS / NCCL / allocator state), then
         capture it as the graph of key."""
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             step()
