@@ -272,16 +272,21 @@ def test_config_selects_the_host_step_and_a_run_trains_with_it(tmp_path):
                                           r"host_step or auto"):
         load_config(args + ["actor_rollout_ref.actor.megatron.optimizer_offload=hoststep"])
     weights = {}
-    for mode in ("false", "host_step"):
+    # host_step_freed: what offload=auto picks for a 7B actor on one H200 (the gradient
+    # buckets freed outside the update as well)
+    for name, mode, grads in (("false", "false", "false"), ("host_step", "host_step", "false"),
+                              ("host_step_freed", "host_step", "true")):
         trainer = Trainer(load_config(args + [
             f"actor_rollout_ref.actor.megatron.optimizer_offload={mode}",
-            f"trainer.default_local_dir={tmp_path / mode}"]))
+            f"actor_rollout_ref.actor.megatron.grad_offload={grads}",
+            f"trainer.default_local_dir={tmp_path / name}"]))
         opt = trainer.actor.engine.optimizer
         assert (opt.host_step is not None) == (mode == "host_step")
         assert "optimizer" not in trainer.residency.roles.get("actor", (None, ()))[1]
         before = [p.detach().clone() for p in trainer.actor.engine.model.parameters()]
         trainer.fit()
         assert opt.num_steps == 1
-        weights[mode] = [p.detach().clone() for p in trainer.actor.engine.model.parameters()]
+        weights[name] = [p.detach().clone() for p in trainer.actor.engine.model.parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(before, weights["host_step"]))   # it stepped
-    assert all(torch.equal(a, b) for a, b in zip(weights["false"], weights["host_step"]))
+    for name in ("host_step", "host_step_freed"):
+        assert all(torch.equal(a, b) for a, b in zip(weights["false"], weights[name])), name
