@@ -5,6 +5,7 @@ the batch needs at once.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -118,10 +119,10 @@ def fit_error(plan: MemoryPlan, device_bytes: int,
             f" leaves no room for one sequence of max_model_len={g.max_model_len}"
     head = f"memory plan: {phase} needs {_gib(plan.total(phase))} per GPU ({parts}) {why}"
 
-    def excess_of(r, g2):      # over the device; a plan the host cannot hold never fits
+    def excess_of(r, g2):      # over the device; a plan the host cannot hold: never taken
         p = plan_memory(r, g2, uses, device_bytes)
         x = _excess(p, device_bytes)
-        return x if x > 0 or host_fits is None or host_fits(p) else 1
+        return x if x > 0 or host_fits is None or host_fits(p) else math.inf
 
     def replan(candidates):     # [(excess, setting, roles, rollout)], best first
         return sorted(((excess_of(r, g2), s, r, g2) for s, r, g2 in candidates
