@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -361,7 +362,7 @@ def _draw_response_lengths(trainer, spec: str) -> None:
     global index, so every replica reads the same budgets): random weights, which rarely stop,
     then spread their lengths as reasoning outputs do."""
     from bench_rollout import response_lengths
-    generator, calls = trainer.generator, iter(range(1, 1 << 30))
+    generator, calls = trainer.generator, itertools.count(1)
     make_engine = generator._rollout_engine
 
     def engine_for(model):

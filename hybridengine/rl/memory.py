@@ -21,8 +21,8 @@ from hybridengine.models.attention import REPEATS_KV_IN_TRAINING
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
-from hybridengine.train.memory_advice import fit_error, fits, kv_slots_short
-from hybridengine.train.memory_plan import (GiB, MemoryPlan, RoleSpec, RolloutSpec, host_memory,
+from hybridengine.train.memory_advice import fit_error, fits, gib_text, kv_slots_short
+from hybridengine.train.memory_plan import (MemoryPlan, RoleSpec, RolloutSpec, host_memory,
                                             plan_memory)
 
 
@@ -31,10 +31,6 @@ PARAM_DTYPES = ("bfloat16", "float32")
 # share of the host's available memory the offloaded state may take without
 # trainer.host_memory_gb (the rest: the processes' own heap, loading, the page cache)
 HOST_SHARE = 0.85
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
 
 
 def param_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -186,11 +182,11 @@ def _host_error(plan, host: int | None) -> str | None:
     if host is None or plan.host * n <= host:
         return None
     roles = plan.inputs[0]
-    parts = ", ".join(f"{r} {_gib(host_memory(s, plan.roles[r]))}" for r, s in roles.items()
+    parts = ", ".join(f"{r} {gib_text(host_memory(s, plan.roles[r]))}" for r, s in roles.items()
                       if host_memory(s, plan.roles[r]))
-    return (f"memory plan: the offloaded state needs {_gib(plan.host)} of host memory per rank "
-            f"({parts}), {n} rank(s) on this host: {_gib(plan.host * n)}, but the host has "
-            f"{_gib(host)} (trainer.host_memory_gb, else {HOST_SHARE:.0%} of MemAvailable): "
+    return (f"memory plan: the offloaded state needs {gib_text(plan.host)} of host memory per rank "
+            f"({parts}), {n} rank(s) on this host: {gib_text(plan.host * n)}, but the host has "
+            f"{gib_text(host)} (trainer.host_memory_gb, else {HOST_SHARE:.0%} of MemAvailable): "
             f"offload less (host_step keeps 12 bytes per trained parameter), use LoRA "
             f"(actor_rollout_ref.model.lora_rank) or more GPUs")
 
@@ -287,8 +283,8 @@ def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) 
     host = host_budget(cfg, device)
     lines = [f"memory plan (GiB per rank, the heaviest rank of each phase{where}):",
              *plan.table().splitlines(), f"offloaded to the host: {offload_summary(cfg)}"
-             + (f" ({_gib(plan.host)} per rank, {ranks_per_host()} rank(s) on this host"
-                + (f" of {_gib(host)} allowed)" if host is not None else ")")
+             + (f" ({gib_text(plan.host)} per rank, {ranks_per_host()} rank(s) on this host"
+                + (f" of {gib_text(host)} allowed)" if host is not None else ")")
                 if plan.host else "")]
     warning = kv_slots_short(plan, replica_sequences(cfg, layout))
     return lines + ([f"warning: {warning}"] if warning else [])

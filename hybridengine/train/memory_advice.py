@@ -25,7 +25,7 @@ _KEYS = {"actor": (f"{_R}.actor.megatron", f"{_R}.model.enable_gradient_checkpoi
 
 # --- what to tell the user -------------------------------------------------------------------
 
-def _gib(n: float) -> str:
+def gib_text(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
@@ -109,15 +109,15 @@ def fit_error(plan: MemoryPlan, device_bytes: int,
     if excess <= 0:
         return None
     phase = plan.peak_phase if plan.peak > device_bytes else "rollout"
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(plan.phases[phase].items(),
+    parts = ", ".join(f"{k} {gib_text(v)}" for k, v in sorted(plan.phases[phase].items(),
                                                           key=lambda kv: -kv[1])[:3])
-    why = f"but the device has {_gib(device_bytes)}"
+    why = f"but the device has {gib_text(device_bytes)}"
     if plan.peak <= device_bytes:           # what overflows is the KV cache's room
         why = (f"and kv_cache_tokens={g.kv_cache_tokens}" if g.kv_cache_tokens is not None else
                f"before its KV cache and {_R}.rollout.gpu_memory_utilization="
-               f"{g.gpu_memory_utilization} of {_gib(device_bytes)}") + \
+               f"{g.gpu_memory_utilization} of {gib_text(device_bytes)}") + \
             f" leaves no room for one sequence of max_model_len={g.max_model_len}"
-    head = f"memory plan: {phase} needs {_gib(plan.total(phase))} per GPU ({parts}) {why}"
+    head = f"memory plan: {phase} needs {gib_text(plan.total(phase))} per GPU ({parts}) {why}"
 
     def excess_of(r, g2):      # over the device; a plan the host cannot hold: never taken
         p = plan_memory(r, g2, uses, device_bytes)
@@ -133,7 +133,7 @@ def fit_error(plan: MemoryPlan, device_bytes: int,
             ok[s.split("=")[0]] = (plan_memory(r, g2, uses, device_bytes).peak, s)
     if ok:
         return f"{head}; fits with " + ", or ".join(
-            f"{s} (peak {_gib(p)})" for p, s in sorted(ok.values())[:4])
+            f"{s} (peak {gib_text(p)})" for p, s in sorted(ok.values())[:4])
     chosen = []
     while tried and tried[0][0] < excess and len(chosen) < 8:    # greedy: the best change again
         excess, setting, *state = tried[0]
@@ -152,7 +152,7 @@ def kv_slots_short(plan: MemoryPlan, batch_sequences: int) -> str | None:
     if g is None or n >= batch_sequences:
         return None
     why = f"{plan.kv_limit}={getattr(g, plan.kv_limit)}" if plan.kv_limit != "memory" else \
-        f"gpu_memory_utilization={g.gpu_memory_utilization} leaves {_gib(plan.kv_cache)}"
+        f"gpu_memory_utilization={g.gpu_memory_utilization} leaves {gib_text(plan.kv_cache)}"
     return (f"memory plan: the KV cache holds {n} sequences of max_model_len={g.max_model_len} "
             f"({_R}.rollout.{why}) but a generation replica gets {batch_sequences}: the rollout "
             f"runs in {-(-batch_sequences // max(n, 1))} waves (more room: optimizer_offload, "
