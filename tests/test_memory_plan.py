@@ -2,12 +2,15 @@
 Adam state of real TrainEngines after one step (tp, pp, dp layouts), the rollout's KV cache and
 the HybridEngine's arena; the activation estimate against the bytes autograd saves; fit_error's
 suggestions re-planned."""
+import builtins
 import dataclasses
+import io
 import json
 import math
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -542,3 +545,28 @@ def test_host_step_keeps_master_and_moments_off_the_device_in_every_phase():
     # a tiny budget's activations under the shards: the shards count instead
     small = dataclasses.replace(host, train_tokens=16)
     assert role_memory(small, 0).activations == shards
+
+def test_host_budget_is_the_memory_available_at_start(monkeypatch):
+    """The report printed once the offloaded state is pinned names the budget preflight
+    checked against, not what the run itself has left of the host."""
+    available = ["MemAvailable:   100000000 kB\n"]
+    real_open = builtins.open
+    def fake_open(path, *a, **k):
+        if path == "/proc/meminfo":
+            return io.StringIO("MemTotal:   130000000 kB\n" + available[0])
+        return real_open(path, *a, **k)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(host_memory_gb=None))
+    cuda = torch.device("cuda")
+    rl_memory._host_available_at_start.cache_clear()
+    monkeypatch.setattr(builtins, "open", fake_open)
+    try:
+        start = rl_memory.host_budget(cfg, cuda)
+        assert start == int(rl_memory.HOST_SHARE * 100000000 * 1024)
+        available[0] = "MemAvailable:   10000000 kB\n"        # the run pinned 86 GiB since
+        assert rl_memory.host_budget(cfg, cuda) == start
+        assert rl_memory.host_budget(cfg, torch.device("cpu")) is None
+        cfg.trainer.host_memory_gb = 8.0
+        assert rl_memory.host_budget(cfg, cuda) == 8 * 2**30
+    finally:
+        monkeypatch.undo()
+        rl_memory._host_available_at_start.cache_clear()

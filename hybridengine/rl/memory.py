@@ -10,6 +10,7 @@ trainer.host_memory_gb, else most of the memory the host has available at start 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -168,12 +169,21 @@ def host_budget(cfg, device: torch.device) -> int | None:
         return int(cfg.trainer.host_memory_gb * 2**30)
     if device.type != "cuda":
         return None
+    available = _host_available_at_start()
+    return None if available is None else int(HOST_SHARE * available)
+
+
+@functools.cache
+def _host_available_at_start() -> int | None:
+    """MemAvailable in bytes, read once per process: preflight reads it before anything is
+    allocated, and the report printed after the offloaded state is pinned must name that budget,
+    not what the run itself has left (session 17: 7B's start table said 32.3 GiB allowed beside
+    the 85.1 GiB it had pinned)."""
     try:
         with open("/proc/meminfo") as f:
-            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:"))
+            return 1024 * next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
-    return int(HOST_SHARE * kib * 1024)
 
 
 def _host_error(plan, host: int | None) -> str | None:
