@@ -9,7 +9,7 @@
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
 # .benchdata/ (git-ignored), the Qwen2.5 tokenizer (tok/) and GSM8K train prompts (train.jsonl);
-# steady and steady2 also the GSM8K test prompts (test.jsonl).
+# steady and steady2 also the GSM8K test prompts (test.jsonl). bench/prepare_carry.sh makes both.
 set -u
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .whl/*.whl
