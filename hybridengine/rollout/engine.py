@@ -239,9 +239,8 @@ class Engine:
                 ids = [s.seq_id for s in rows]
                 width = max(math.ceil(max_k / sched.tables.block_size),
                             max(len(sched.tables.tables[i]) for i in ids))
-                tables = sched.tables.block_table(ids, width)
                 with timer("decode"):
-                    pending.append(self.runner.decode([s.slot for s in rows], slots, tables,
+                    pending.append(self.runner.decode([s.slot for s in rows], slots, width,
                                                       max_k))
                 for s in rows:
                     s.num_cached += 1

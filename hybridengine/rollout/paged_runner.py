@@ -11,9 +11,16 @@ As the static runner's, the step is graph-shaped under CUDA graphs (`static_shap
 it on the CPU to run the same path without capture): its rows padded to a graph bucket with
 the scratch row, whose flat slot is the scratch block's, and every row's block table at the
 fixed width W = ceil(max_model_len / block_size), padded with the scratch block, in static
-buffers (row_ids, slot_mapping, tables) that one host-to-device copy fills before each replay;
-one graph per (sampler mode, bucket), captured on first use. Eager (enforce_eager), a step
-reads the tables at the width the engine hands over and max_k keys.
+buffers (row_ids, slot_mapping, tables) filled before each replay; one graph per (sampler mode,
+bucket), captured on first use. Eager (enforce_eager), a step reads the tables at the width
+the engine hands over and max_k keys.
+Block tables live on the device, one row per sequence row (slot_tables [rows + 1, W]): a
+prefill writes its sequences' whole tables, and a decode step only the block each row writes
+its token into (the block at position // block_size: a new one at a block boundary), from the
+slots it is handed; the step's tables are then gathered on the device. A step uploads its rows
+and slots, not tables: at 256 rows of 16k tokens the host built and copied 2 MB of tables a
+step (~3 ms of host time on the CPU machine), where a step of the 0.5B model's decode takes
+about as long on the GPU.
 Compile: compile / compile_prefill as the static layout (rollout/compile_steps.py: the decode
 forward with its rows marked dynamic, the sampler's bookkeeping, the prefill forward); the
 cache's block count is marked dynamic. The prefill takes one of three forms (varlen or dense
@@ -128,6 +135,8 @@ class PagedModelRunner(ModelRunner):
         self.row_ids = torch.full((R,), R, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((R,), self.scratch_slot, dtype=torch.long, device=dev)
         self.tables = torch.full((R, self.width), num_blocks, dtype=torch.int32, device=dev)
+        self.slot_tables = torch.full((R + 1, self.width), num_blocks, dtype=torch.int32,
+                                      device=dev)
         self.step_fin = torch.zeros(R, dtype=torch.bool, device=dev)
         self.buckets = self._graph_buckets(R)
         if self.compiled or self.prefill_compiled:
@@ -140,7 +149,7 @@ class PagedModelRunner(ModelRunner):
     def free(self) -> None:
         super().free()
         self.allocator = None
-        for name in ("row_ids", "slot_mapping", "tables"):
+        for name in ("row_ids", "slot_mapping", "tables", "slot_tables"):
             self.__dict__.pop(name, None)
 
     def block_tables(self) -> BlockTables:
@@ -171,7 +180,10 @@ class PagedModelRunner(ModelRunner):
             # (compiled: a pad index even where no group is padded: one dense graph)
             add_pad_index(plan, max_len, always=self.prefill_compiled)
             dense = (num, max_len)
-        t = self._h2d_arrays(plan)
+        seqs = [s for g in groups for s in g.seqs]
+        t = self._h2d_arrays({**plan, "tables": self._host_tables(tables, seqs)})
+        self.slot_tables.index_copy_(0, t["rows"][:len(seqs)],
+                                     t["tables"].view(len(seqs), self.width).to(torch.int32))
         packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
         if any_cached:
             prefix = (t["key_slots"], t["q_index"], num, longest)
@@ -193,11 +205,20 @@ class PagedModelRunner(ModelRunner):
         return Pending([s.slot for g in groups for s in g.seqs], fin[:real])
 
     # --- decode ------------------------------------------------------------------------------
-    def decode(self, rows: list[int], slot_mapping: list[int], block_tables: torch.Tensor,
+    def _host_tables(self, tables: BlockTables, seqs) -> np.ndarray:
+        """The sequences' whole block tables at width W, padded with the scratch block, flat."""
+        out = np.full((len(seqs), self.width), self.cache.scratch_block, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            table = tables.tables[s.seq_id]
+            out[i, :len(table)] = table
+        return out.reshape(-1)
+
+    def decode(self, rows: list[int], slot_mapping: list[int], width: int,
                max_k: int) -> Pending:
-        """One token for each row (sorted); slot_mapping: where each row's K/V go;
-        block_tables [B, w] (host) with w·block_size >= max_k. Graph-shaped: the rows padded
-        to a bucket, the tables to width W, max_model_len keys; else max_k keys."""
+        """One token for each row (sorted); slot_mapping: where each row's K/V go (a fresh
+        block's first slot at a block boundary); width: the tables' blocks to read, with
+        width·block_size >= max_k. Graph-shaped: the rows padded to a bucket, the tables to
+        width W, max_model_len keys; else max_k keys."""
         B = len(rows)
         with torch.no_grad(), record_function("decode"):
             if self.static_shapes:
@@ -207,27 +228,32 @@ class PagedModelRunner(ModelRunner):
             else:
                 # compiled: one scratch row with a lone sequence (size 1 would compile again)
                 n = B + (self.compiled and B == 1 < self.num_slots)
-                width, graph = block_tables.shape[1], None
-            self._upload(rows, slot_mapping, block_tables, n, width)
+                graph = None
+            self._upload(rows, slot_mapping, n, width)
             if graph is not None:
                 graph.replay()
             else:
                 self._decode_step(n, width, max_k)
         return Pending(rows, self.step_fin[:B])
 
-    def _upload(self, rows, slot_mapping, block_tables, n: int, width: int) -> None:
-        """The step's rows, flat slots and tables into the static buffers' first n rows (one
-        host-to-device copy); padding rows: the scratch row, slot and block."""
+    def _upload(self, rows, slot_mapping, n: int, width: int) -> None:
+        """The step's rows and flat slots into the static buffers' first n rows (one
+        host-to-device copy; padding rows: the scratch row and slot), each row's block of this
+        step into its table, and the rows' tables gathered into `tables`."""
         pad = n - len(rows)
-        tables = np.full((n, width), self.cache.scratch_block, dtype=np.int64)
-        tables[:len(rows), :block_tables.shape[1]] = block_tables.numpy()
         t = self._h2d_arrays({"rows": np.asarray(rows + [self.num_slots] * pad, np.int64),
                               "slots": np.asarray(slot_mapping + [self.scratch_slot] * pad,
-                                                  np.int64),
-                              "tables": tables.reshape(-1)})
-        self.row_ids[:n].copy_(t["rows"], non_blocking=True)
-        self.slot_mapping[:n].copy_(t["slots"], non_blocking=True)
-        self.tables[:n, :width].copy_(t["tables"].view(n, width), non_blocking=True)
+                                                  np.int64)})
+        row_ids, slots = self.row_ids[:n], self.slot_mapping[:n]
+        row_ids.copy_(t["rows"], non_blocking=True)
+        slots.copy_(t["slots"], non_blocking=True)
+        # the block of the position each row writes (the scratch row: the scratch block). A row
+        # that finished on the device a step ago (read one step late) no longer moves its
+        # position: its entry lands in a stale column of a table nothing reads again
+        bs = self.block_size
+        self.slot_tables[row_ids, self.state.positions[row_ids] // bs] = \
+            (slots // bs).to(torch.int32)
+        self.tables[:n, :width] = self.slot_tables.index_select(0, row_ids)[:, :width]
 
     def _decode_step(self, n: int, width: int, max_k: int) -> None:
         rows = self.row_ids[:n]
