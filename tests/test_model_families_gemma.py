@@ -178,9 +178,11 @@ def _tp2_worker(rank, world, path, logits, greedy, grads):
 
 
 @pytest.mark.multiproc
-def test_gemma2_tp2_logits_grads_and_greedy_equal_tp1(dirs):
+def test_gemma2_tp2_logits_grads_and_greedy_equal_tp1(dirs, one_thread):
     """tp 2, sequence parallel off and on: logits, gradients (the capped log-prob path, the
-    sandwich norms summed over TP under SP) and the rollout at generation TP 2."""
+    sandwich norms summed over TP under SP) and the rollout at generation TP 2. The reference
+    runs on one thread as the workers do: the global layer's soft-capped attention cancels so
+    much that its fp64 q/k gradients move by 3e-8 (relative) between 1 and 2 intra-op threads."""
     model = load_decoder(dirs["gemma2"])
     grads = _loss_and_grads(load_decoder(dirs["gemma2"], dtype=torch.float64), 1)
     run_dist(_tp2_worker, 2, dirs["gemma2"], _packed_logits(model), _engine_greedy(model),
