@@ -546,6 +546,7 @@ def test_host_step_keeps_master_and_moments_off_the_device_in_every_phase():
     small = dataclasses.replace(host, train_tokens=16)
     assert role_memory(small, 0).activations == shards
 
+
 def test_host_budget_is_the_memory_available_at_start(monkeypatch):
     """The report printed once the offloaded state is pinned names the budget preflight
     checked against, not what the run itself has left of the host."""

@@ -22,7 +22,7 @@ from model_utils import STORIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MAX_TOKENS = 420                # stories end after ~230-310 tokens; the cap only bounds a stray
+MAX_TOKENS = 420                # stories end after ~180-420 tokens; the cap bounds a stray
 TRAIN = Path(STORIES).parents[1] / "data" / "stories_keywords" / "train.jsonl"
 
 

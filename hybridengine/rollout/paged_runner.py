@@ -19,8 +19,7 @@ prefill writes its sequences' whole tables, and a decode step only the block eac
 its token into (the block at position // block_size: a new one at a block boundary), from the
 slots it is handed; the step's tables are then gathered on the device. A step uploads its rows
 and slots, not tables: at 256 rows of 16k tokens the host built and copied 2 MB of tables a
-step (~3 ms of host time on the CPU machine), where a step of the 0.5B model's decode takes
-about as long on the GPU.
+step (2.8 ms of host time on the 2-core CPU machine).
 Compile: compile / compile_prefill as the static layout (rollout/compile_steps.py: the decode
 forward with its rows marked dynamic, the sampler's bookkeeping, the prefill forward); the
 cache's block count is marked dynamic. The prefill takes one of three forms (varlen or dense
@@ -180,10 +179,11 @@ class PagedModelRunner(ModelRunner):
             # (compiled: a pad index even where no group is padded: one dense graph)
             add_pad_index(plan, max_len, always=self.prefill_compiled)
             dense = (num, max_len)
-        seqs = [s for g in groups for s in g.seqs]
-        t = self._h2d_arrays({**plan, "tables": self._host_tables(tables, seqs)})
-        self.slot_tables.index_copy_(0, t["rows"][:len(seqs)],
-                                     t["tables"].view(len(seqs), self.width).to(torch.int32))
+        ids = [s.seq_id for g in groups for s in g.seqs]
+        whole = tables.block_table(ids, self.width).numpy().astype(np.int64).reshape(-1)
+        t = self._h2d_arrays({**plan, "tables": whole})
+        self.slot_tables.index_copy_(0, t["rows"][:len(ids)],
+                                     t["tables"].view(len(ids), self.width).to(torch.int32))
         packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
         if any_cached:
             prefix = (t["key_slots"], t["q_index"], num, longest)
@@ -205,14 +205,6 @@ class PagedModelRunner(ModelRunner):
         return Pending([s.slot for g in groups for s in g.seqs], fin[:real])
 
     # --- decode ------------------------------------------------------------------------------
-    def _host_tables(self, tables: BlockTables, seqs) -> np.ndarray:
-        """The sequences' whole block tables at width W, padded with the scratch block, flat."""
-        out = np.full((len(seqs), self.width), self.cache.scratch_block, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            table = tables.tables[s.seq_id]
-            out[i, :len(table)] = table
-        return out.reshape(-1)
-
     def decode(self, rows: list[int], slot_mapping: list[int], width: int,
                max_k: int) -> Pending:
         """One token for each row (sorted); slot_mapping: where each row's K/V go (a fresh
