@@ -55,7 +55,7 @@ def test_samples_share_full_prompt_blocks_and_own_their_tails():
     assert len({tab[2] for tab in tabs}) == 3
     assert [t.allocator.refs[b] for b in tabs[0]] == [3, 3, 1]
     # the one prefill writes each full-block token once and each tail token per sample
-    src, dst = t.prefill_slots(0, 3, 0)
+    src, dst = (a.tolist() for a in t.prefill_slots(0, 3, 0))
     assert src == list(range(10)) + [8, 9, 8, 9]
     assert dst[:8] == [tabs[0][p // 4] * 4 + p % 4 for p in range(8)]
     assert dst[10:] == [tabs[1][2] * 4, tabs[1][2] * 4 + 1, tabs[2][2] * 4, tabs[2][2] * 4 + 1]

@@ -33,15 +33,16 @@ PAGED = {
 }
 
 
-def _model(heads, dtype=torch.float32):
+def _model(heads, dtype=torch.float32, sharpen=True):
     hq, hkv, d = heads
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3,
                       num_heads=hq, num_kv_heads=hkv, head_dim=d, attention_bias=True,
                       max_position_embeddings=MAX_LEN, model_type="qwen2")
     torch.manual_seed(sum(heads))
     model = Decoder(cfg, dtype=dtype, device=CUDA).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(16 / model.lm_head.weight.std())   # ~1 logit between choices
+    if sharpen:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(16 / model.lm_head.weight.std())   # ~1 logit between choices
     return model
 
 
@@ -90,7 +91,9 @@ def test_paged_graphs_compile_triton_equal_static_fp32(heads):
 
 
 def test_paged_bf16_logprobs_match_training_forward():
-    model = _model((14, 2, 64), torch.bfloat16)
+    # not sharpened: logits of ~100s, whose bf16 spacing (0.5-4) alone would move a log-prob
+    # by more than the bound (session 18: 7.3 with the sharpened head)
+    model = _model((14, 2, 64), torch.bfloat16, sharpen=False)
     prompts = _prompts(model.cfg.vocab_size)
     engine = _engine(model, kv_layout="paged", kv_cache_tokens=10 * MAX_LEN,
                      compile=CompileMode.INDUCTOR, compile_prefill=CompileMode.INDUCTOR)

@@ -358,7 +358,9 @@ def main(argv=None) -> None:
              "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")},
              "kv_write_torch": {"kv_write": "torch"}, "no_pdl": {"no_pdl": True},
              "no_prefetch": {"no_prefetch": True}, "paged": {"kv_layout": "paged"},
-             "static": {"kv_layout": "static"}}
+             "static": {"kv_layout": "static"},
+             "block32": {"kv_layout": "paged", "block_size": 32},
+             "block64": {"kv_layout": "paged", "block_size": 64}}
     for name in filter(None, args.variants.split(",")):
         unknown = [part for part in name.split("+") if part not in knobs]
         if unknown:

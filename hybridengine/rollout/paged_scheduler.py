@@ -71,13 +71,16 @@ class PagedScheduler:
         head does not fit (then decode)."""
         batch: list[PrefillGroup] = []
         num_tokens = 0
+        # blocks the running sequences' next decode step takes (kept up to date below: one
+        # pass over `running` per call, not per admission)
+        reserve = self.tables.blocks_to_append(s.seq_id for s in self.running.values())
         while self.waiting:
             head = self.waiting[0]
             tokens = head.prompt + self.resume.get(head.seq_id, [])
             # the prefill's budget counts every token (cache hits are known only once admitted)
             if batch and num_tokens + len(tokens) > self.max_prefill_tokens:
                 break
-            m = self._admissible(head, tokens)
+            m = self._admissible(head, tokens, reserve)
             if m == 0:
                 self.num_waited = max(self.num_waited, len(self.waiting))
                 break
@@ -92,13 +95,16 @@ class PagedScheduler:
             batch.append(PrefillGroup(seqs, tokens, start, len(generated)))
             self.num_prefix_cached_tokens += start
             num_tokens += len(tokens)
+            if len(tokens) % self.tables.block_size == 0:
+                reserve += m
         if batch:
             self._rows = None
             self.max_running = max(self.max_running, len(self.running))
         return batch
 
-    def _admissible(self, head: Sequence, tokens: list[int]) -> int:
-        """How many waiting sequences from the head enter as one group (0: none fits)."""
+    def _admissible(self, head: Sequence, tokens: list[int], reserve: int) -> int:
+        """How many waiting sequences from the head enter as one group (0: none fits), keeping
+        `reserve` blocks free."""
         if head.seq_id in self.resume:      # a preempted sequence holds its row
             m = 1
         else:
@@ -107,10 +113,7 @@ class PagedScheduler:
                    and self.waiting[m].prompt_index == head.prompt_index):
                 m += 1
             m = min(m, self.rows.num_free)
-        reserve = self.tables.blocks_to_append(s.seq_id for s in self.running.values())
-        while m and not self.tables.can_admit(tokens, m, reserve):
-            m -= 1
-        return m
+        return self.tables.max_admissible(tokens, m, reserve) if m else 0
 
     def decode_rows(self) -> list[Sequence]:
         """Running sequences in row order (cached until the running set changes)."""

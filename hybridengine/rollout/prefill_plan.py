@@ -87,35 +87,37 @@ def paged_prefill_plan(groups: list[PrefillGroup], tables: BlockTables, vocab_si
     per_seq = {k: [] for k in ("rows", "last_pos", "keys", "max_gen", "counts", "row_group")}
     for gi, g in enumerate(groups):
         off, n = cu[-1], len(g.tokens)
-        ids += g.tokens[g.start:]
-        positions += range(g.start, n)
+        ids.append(np.asarray(g.tokens[g.start:], dtype=np.int64))
+        positions.append(np.arange(g.start, n, dtype=np.int64))
         s_src, s_dst = tables.prefill_slots(g.seqs[0].seq_id, len(g.seqs), g.start)
-        src += [off + i for i in s_src]
-        dst += s_dst
+        src.append(s_src + off)
+        dst.append(s_dst)
         cu.append(off + n - g.start)
         seq_lens.append(n)
         for s in g.seqs:
             for k, v in zip(per_seq, (s.slot, n - 1, s.key, s.max_gen, g.num_generated, gi)):
                 per_seq[k].append(v)
+    if pad_row is not None:
+        # the dummy group: token 0 at position 0, written to the scratch block
+        ids.append(np.zeros(1, dtype=np.int64))
+        positions.append(np.zeros(1, dtype=np.int64))
+        src.append(np.asarray([cu[-1]], dtype=np.int64))
+        dst.append(np.asarray([tables.pad_block * tables.block_size], dtype=np.int64))
+        cu.append(cu[-1] + 1)
+        seq_lens.append(1)
+        for k, v in zip(per_seq, (pad_row, 0, 0, 0, 0, len(groups))):
+            per_seq[k].append(v)
     plan = {k: np.asarray(v, dtype=np.int64) for k, v in per_seq.items()}
-    ids_np = np.asarray(ids, dtype=np.int64)
-    bad = np.flatnonzero((ids_np < 0) | (ids_np >= vocab_size))
+    ids_np = np.concatenate(ids)
+    real = cu[len(groups)]                      # the groups' tokens (not the dummy's)
+    bad = np.flatnonzero((ids_np[:real] < 0) | (ids_np[:real] >= vocab_size))
     if bad.size:
         g = groups[int(np.searchsorted(cu, bad[0], side="right")) - 1]
         raise ValueError(f"prompt {g.seqs[0].prompt_index} has token id {ids_np[bad[0]]} "
                          f"outside the vocabulary [0, {vocab_size})")
-    if pad_row is not None:
-        ids_np = np.append(ids_np, 0)
-        positions.append(0)
-        src.append(cu[-1])
-        dst.append(tables.pad_block * tables.block_size)
-        cu.append(cu[-1] + 1)
-        seq_lens.append(1)
-        for k, v in zip(per_seq, (pad_row, 0, 0, 0, 0, len(groups))):
-            plan[k] = np.append(plan[k], v)
     cu_np = np.asarray(cu, dtype=np.int64)
-    plan.update(ids=ids_np, positions=np.asarray(positions, dtype=np.int64), cu=cu_np,
-                src=np.asarray(src, dtype=np.int64), dst=np.asarray(dst, dtype=np.int64),
+    plan.update(ids=ids_np, positions=np.concatenate(positions), cu=cu_np,
+                src=np.concatenate(src), dst=np.concatenate(dst),
                 last=cu_np[1:] - 1, seq_lens=np.asarray(seq_lens, dtype=np.int64))
     return plan, int(np.diff(cu_np).max()), any(g.start for g in groups)
 
