@@ -485,3 +485,16 @@ def test_triton_paged_decode_attention_matches_the_reference_in_the_interpreter(
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_kv_cache_tokens_beyond_the_device_is_one_clear_error(monkeypatch):
+    """An explicit KV budget larger than the device's free memory fails before any layer is
+    allocated, naming the field (session 18: the 7B long benchmark ran out of memory inside
+    the allocation); the budget path and the CPU are never checked."""
+    from hybridengine.rollout.kv_cache import check_fits_device
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 2**31))
+    with pytest.raises(ValueError, match=r"kv_cache_tokens=4096 needs 2\.00 GiB .* 1\.00 GiB"):
+        check_fits_device(2**31, 4096, "cuda")
+    check_fits_device(2**29, 4096, "cuda")
+    check_fits_device(2**31, None, "cuda")
+    check_fits_device(2**40, 4096, "cpu")

@@ -104,8 +104,11 @@ def rollout_config(args) -> RolloutConfig:
     """The engine's config that the arguments name: a row per prompt and the cache sized for
     them (so that every variant runs the same batch), the flags' knobs, kernel_settings."""
     max_len, seqs = args.prompt_len + args.new_tokens, args.batch * args.n
+    # static: exactly a row per sequence; paged: the device's budget (gpu_memory_utilization),
+    # which admission by blocks fills as the sequences' real lengths need
+    tokens = (seqs + 1) * max_len if args.kv_layout == "static" else None
     return RolloutConfig(max_num_seqs=seqs, max_model_len=max_len,
-                         kv_cache_tokens=(seqs + 1) * max_len, kv_layout=args.kv_layout,
+                         kv_cache_tokens=tokens, kv_layout=args.kv_layout,
                          block_size=args.block_size,
                          max_prefill_tokens=max(args.max_prefill_tokens, max_len),
                          enforce_eager=args.eager, attn_backend=args.attn, compile=args.compile,

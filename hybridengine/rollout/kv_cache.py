@@ -81,6 +81,19 @@ def plan_num_slots(max_num_seqs: int, max_model_len: int, bytes_per_token: int,
     return min(max_num_seqs, fit)
 
 
+def check_fits_device(num_bytes: int, kv_cache_tokens: int | None, device) -> None:
+    """An explicit kv_cache_tokens whose cache (num_bytes) exceeds the device's free memory:
+    one clear error instead of an out-of-memory part way through the layers' allocation (the
+    budget path sizes itself from the free memory)."""
+    if kv_cache_tokens is None or torch.device(device).type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if num_bytes > free:
+        raise ValueError(f"kv_cache_tokens={kv_cache_tokens} needs {num_bytes / 2**30:.2f} GiB "
+                         f"of KV cache but {free / 2**30:.2f} GiB of the device are free; lower "
+                         f"it, or leave it unset to size the cache by gpu_memory_utilization")
+
+
 def layer_tensors(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
                   device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """K and V tensors of `shape` for each layer (the static and the paged cache). Zeros, not

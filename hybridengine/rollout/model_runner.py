@@ -35,8 +35,8 @@ from hybridengine.rollout.attention import (DecodeContext, PrefillContext, resol
 from hybridengine.rollout.compile_steps import (MAX_COMPILED_GRAPHS,  # noqa: F401
                                                 compile_decode_steps, compile_prefill_step)
 from hybridengine.rollout.decode_graphs import DecodeGraphs, graph_buckets
-from hybridengine.rollout.kv_cache import (DEVICE_RESERVE, KVCache, kv_bytes_per_token,
-                                          plan_num_slots)
+from hybridengine.rollout.kv_cache import (DEVICE_RESERVE, KVCache, check_fits_device,
+                                          kv_bytes_per_token, plan_num_slots)
 from hybridengine.rollout.prefill_plan import add_pad_index, dense_pays, prefill_plan
 from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample
@@ -108,6 +108,7 @@ class ModelRunner:
         S = plan_num_slots(c.max_num_seqs, self.max_model_len, bpt, c.kv_cache_tokens,
                            self._cache_budget())
         L, dev = self.max_model_len, self.device
+        check_fits_device((S + 1) * L * bpt, c.kv_cache_tokens, dev)
         self.cache = KVCache(num_layers, S, L, attn.num_kv_heads, attn.head_dim, self.dtype, dev)
         self.state = SlotState(S, L, dev)
         long = dict(dtype=torch.long, device=dev)

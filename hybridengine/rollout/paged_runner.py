@@ -42,7 +42,7 @@ from torch.profiler import record_function
 from hybridengine.kernels import decode_attention as triton_decode
 from hybridengine.models.attention import PackedInput
 from hybridengine.rollout.decode_graphs import DecodeGraphs
-from hybridengine.rollout.kv_cache import kv_bytes_per_token
+from hybridengine.rollout.kv_cache import check_fits_device, kv_bytes_per_token
 from hybridengine.rollout.model_runner import ModelRunner
 from hybridengine.rollout.paged_cache import BlockAllocator, BlockTables, PagedKVCache
 from hybridengine.rollout.paged_context import PagedDecodeContext, PagedPrefillContext
@@ -123,6 +123,7 @@ class PagedModelRunner(ModelRunner):
         bpt = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
         num_blocks = plan_num_blocks(c.max_num_seqs, self.max_model_len, self.block_size, bpt,
                                      c.kv_cache_tokens, self._cache_budget())
+        check_fits_device((num_blocks + 1) * self.block_size * bpt, c.kv_cache_tokens, dev)
         self.cache = PagedKVCache(num_layers, num_blocks, self.block_size, attn.num_kv_heads,
                                   attn.head_dim, self.dtype, dev)
         R = c.max_num_seqs
