@@ -71,7 +71,12 @@ if triton is not None:
         """Asks L2 for the first 128-byte line of one head's cached row at each position in
         pos (the whole row at d = 64 in 16-bit types), holding no register for the data;
         positions past `last` ask for position 0's. PTX: CUDA only, not the interpreter."""
-        ptr = row + tl.where(pos <= last, pos, 0).to(tl.int64) * stride_t
+        prefetch_l2_lines(row + tl.where(pos <= last, pos, 0).to(tl.int64) * stride_t)
+
+    @triton.jit
+    def prefetch_l2_lines(ptr):
+        """Asks L2 for the 128-byte line at each address of ptr, holding no register for the
+        data (PTX: CUDA only, not the interpreter). Also the paged kernel's."""
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr],
                                   dtype=tl.int32, is_pure=False, pack=1)
 

@@ -22,8 +22,14 @@ The _rope form is decode_attention_rope's through a table: q and the new key rot
 K/V stored at the row's flat slot slot_mapping[b] (block·block_size + offset; the scratch
 block's for a padding row or one that finished on the device), and the new token, the
 seq_lens[b]-th, counted from registers: the key loop reads only the first seq_lens[b] - 1
-tokens through the table, so no program reads what another writes. No programmatic dependent
-launch here (not measured for the paged form).
+tokens through the table, so no program reads what another writes. On Hopper and later it is
+launched with programmatic dependent launch, as decode_attention_rope: before the wait a
+program reads only the block table (written before the decode step began) and asks L2 for
+the first keys of its split through it, bounded by the table's width (the lengths are
+computed in the step); a key past the row's end reads the scratch block.
+
+The key loop loads the block ids of the next tile while the current one computes, so a
+tile's K/V loads wait on no table load.
 
 Triton is optional: decode_attention.available() says whether it runs (CUDA, or the CPU
 interpreter under TRITON_INTERPRET=1, set before the import: how the tests check it against
@@ -46,31 +52,45 @@ except ImportError:
 
 
 if triton is not None:
-    from hybridengine.kernels.decode_attention import rope_new_token
+    from hybridengine.kernels.decode_attention import prefetch_l2_lines, rope_new_token
 
     @triton.jit
     def _paged_split_kernel(Q, K, V, Tables, Lens, Out, Lse, KNew, VNew, Cos, Sin, SlotMap,
-                            sm_scale, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
-                            stride_tb, stride_knb, stride_knh, stride_vnb, stride_vnh,
-                            stride_cb, stride_sb,
+                            sm_scale, table_len, stride_qb, stride_qh, stride_kb, stride_kt,
+                            stride_kh, stride_tb, stride_knb, stride_knh, stride_vnb,
+                            stride_vnh, stride_cb, stride_sb,
                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PRECISION: tl.constexpr, PDL: tl.constexpr,
+                            PREFETCH_KEYS: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
-        seqlen = tl.load(Lens + b)
         g = tl.arange(0, BLOCK_G)
         dd = tl.arange(0, HEAD_DIM)
         heads = j * GROUP + g
         g_ok = g < GROUP
         table = Tables + b.to(tl.int64) * stride_tb
+        start = s * SPLIT_LEN
+        if PDL:
+            # Launched programmatically (see the module doc): only the table, written before
+            # the step began, is read before the wait; the split's first keys (up to the
+            # table's width: the row's length is computed in the step) are asked into L2.
+            if PREFETCH_KEYS > 0:
+                first = start + tl.arange(0, PREFETCH_KEYS)
+                in_table = first < table_len
+                blk = tl.load(table + first // BLOCK_SIZE, mask=in_table, other=0).to(tl.int64)
+                at = blk * stride_kb + (first % BLOCK_SIZE).to(tl.int64) * stride_kt + \
+                    j * stride_kh
+                prefetch_l2_lines(K + at)
+                prefetch_l2_lines(V + at)
+            tl.extra.cuda.gdc_wait()
+        seqlen = tl.load(Lens + b)
         # this split's cached keys [start, stop): with NEW_TOKEN the last one is the new
         # token's, counted from registers below, never read through the table
         end = seqlen - 1 if NEW_TOKEN else seqlen
-        start = s * SPLIT_LEN
         stop = tl.minimum(start + SPLIT_LEN, end)
         q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
         q = tl.load(q_ptr + dd[None, :], mask=g_ok[:, None], other=0.0)
@@ -95,13 +115,17 @@ if triton is not None:
                 m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * sm_scale
                 l_i = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
+        # the block ids of the first tile; each iteration loads the next tile's before it
+        # computes, so its K/V loads wait on no table load (masked keys read block 0: any
+        # valid address, their scores are set to -inf)
+        pos = start + tl.arange(0, BLOCK_N)
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=pos < stop, other=0).to(tl.int64)
         for n0 in range(start, stop, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
             p_ok = pos < stop
-            # masked keys read block 0: any valid address, their scores are set to -inf
-            blk = tl.load(table + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
             row = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + j * stride_kh
             kv_off = row[:, None] + dd[None, :]
+            pos = pos + BLOCK_N
+            blk = tl.load(table + pos // BLOCK_SIZE, mask=pos < stop, other=0).to(tl.int64)
             k = tl.load(K + kv_off, mask=p_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
             qk = tl.where(p_ok[None, :], qk, float("-inf"))
@@ -123,10 +147,12 @@ if triton is not None:
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, new=None, *, block_n: int,
-            num_warps: int, num_stages: int) -> torch.Tensor:
+            num_warps: int, num_stages: int, pdl: bool = False,
+            prefetch_keys: int = _DEFAULT.decode_prefetch_keys) -> torch.Tensor:
     """The split kernel (+ merge); new = (k_new, v_new, cos, sin, slot_mapping) fuses RoPE, the
     cache write and the new token (paged_decode_attention_rope). Reads shapes and strides only
-    (nothing synchronises)."""
+    (nothing synchronises). pdl (the fused form on Hopper+), prefetch_keys: as
+    decode_attention's."""
     B, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     W = block_tables.shape[1]
@@ -153,6 +179,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, new=None, *, blo
         new = (*new, slot_mapping)
     else:
         new, new_strides = (q, q, q, q, seq_lens), (0,) * 6               # unused
+    pdl = pdl and fused and _da.pdl_supported(q.device)
     max_len = W * bs
     length = _da.split_len(B, hkv, max_len, _da._num_sms(q.device), block_n)
     splits = math.ceil(max_len / length)
@@ -162,7 +189,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, new=None, *, blo
         torch.empty(B, hq, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device)
     _paged_split_kernel[(B, hkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, lse, *new, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, out, lse, *new, scale, max_len,
         _da.stride_or_zero(q, 0), _da.stride_or_zero(q, 1), k_cache.stride(0),
         k_cache.stride(1), _da.stride_or_zero(k_cache, 2), _da.stride_or_zero(block_tables, 0),
         *new_strides,
@@ -170,8 +197,9 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, new=None, *, blo
         HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n, SPLIT_LEN=length, NUM_SPLITS=splits,
         NEW_TOKEN=fused,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        PREFETCH_KEYS=prefetch_keys, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}))
     if splits > 1:
         _da._merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
                                     SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=d)
@@ -206,15 +234,21 @@ def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
                                 block_n: int = _DEFAULT.decode_block_n,
                                 num_warps: int = _DEFAULT.decode_num_warps,
-                                num_stages: int = _DEFAULT.decode_num_stages) -> torch.Tensor:
+                                num_stages: int = _DEFAULT.decode_num_stages,
+                                pdl: bool = _DEFAULT.pdl,
+                                prefetch_keys: int = _DEFAULT.decode_prefetch_keys
+                                ) -> torch.Tensor:
     """One decode step's attention from the unrotated q [B, h_q, d], k_new / v_new [B, h_kv, d]
     (views of the fused qkv projection) and the fp32 RoPE tables cos, signed sin [B, d]: q and
     k_new rotated, k_new / v_new written at flat slot slot_mapping[b] (int64), attention over
     the first seq_lens[b] - 1 (int32) tokens of the blocks block_tables[b] and the new token,
-    in one launch; scale 1/sqrt(d). See the module doc."""
+    in one launch; scale 1/sqrt(d). pdl: programmatic dependent launch where the device has it
+    (Hopper+), with prefetch_keys keys of each split asked into L2 before the wait. See the
+    module doc."""
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, 1.0 / math.sqrt(q.shape[-1]),
                    (k_new, v_new, cos, sin, slot_mapping), block_n=block_n,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+                   prefetch_keys=prefetch_keys)
 
 
 @paged_decode_attention_rope.register_fake

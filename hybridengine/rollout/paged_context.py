@@ -56,6 +56,7 @@ class PagedDecodeContext:
         s = DEFAULT_KERNEL_SETTINGS if settings is None else settings
         self.launch = dict(block_n=s.decode_block_n, num_warps=s.decode_num_warps,
                            num_stages=s.decode_num_stages)
+        self.launch_rope = dict(self.launch, pdl=s.pdl, prefetch_keys=s.decode_prefetch_keys)
         self.applies_rope = backend == "triton" and s.fused_rope
         # a row that finished on the device may sit one past the last position: it writes to
         # the scratch block and reads max_k keys, all discarded
@@ -85,7 +86,7 @@ class PagedDecodeContext:
         layer = layer_idx - self.layer_start
         return triton_paged.paged_decode_attention_rope(
             q, k, v, cos, sin, self.cache.k[layer], self.cache.v[layer], self.block_tables,
-            self.slot_mapping, self.seq_lens, **self.launch)
+            self.slot_mapping, self.seq_lens, **self.launch_rope)
 
 
 class PagedPrefillContext:
