@@ -81,11 +81,11 @@ if triton is not None:
             if PREFETCH_KEYS > 0:
                 first = start + tl.arange(0, PREFETCH_KEYS)
                 in_table = first < table_len
-                blk = tl.load(table + first // BLOCK_SIZE, mask=in_table, other=0).to(tl.int64)
-                at = blk * stride_kb + (first % BLOCK_SIZE).to(tl.int64) * stride_kt + \
+                ids = tl.load(table + first // BLOCK_SIZE, mask=in_table, other=0).to(tl.int64)
+                ahead = ids * stride_kb + (first % BLOCK_SIZE).to(tl.int64) * stride_kt + \
                     j * stride_kh
-                prefetch_l2_lines(K + at)
-                prefetch_l2_lines(V + at)
+                prefetch_l2_lines(K + ahead)
+                prefetch_l2_lines(V + ahead)
             tl.extra.cuda.gdc_wait()
         seqlen = tl.load(Lens + b)
         # this split's cached keys [start, stop): with NEW_TOKEN the last one is the new
