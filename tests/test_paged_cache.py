@@ -1,8 +1,9 @@
-"""The paged KV cache (rollout/paged_cache.py): block-manager invariants under random admit /
-grow / finish / preempt, prefix sharing, attention through block tables against dense fp64 and
-the static-slot cache (and the runner's padded cached-prefix prefill), a toy generation with
-sharing and preemption against dense generation, and the Triton paged decode kernel (plain and
-fused with RoPE and the cache write) and the engine on it in the interpreter. ~20 s on CPU."""
+"""The paged KV cache (rollout/block_manager.py, rollout/paged_cache.py): block-manager
+invariants under random admit / grow / finish / preempt, prefix sharing, attention through
+block tables against dense fp64 and the static-slot cache (and the runner's padded
+cached-prefix prefill), a toy generation with sharing and preemption against dense
+generation, and the Triton paged decode kernel (plain and fused with RoPE and the cache write)
+and the engine on it in the interpreter. ~20 s on CPU."""
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ import torch
 from hybridengine.rollout.attention import DecodeContext
 from hybridengine.rollout.kv_cache import KVCache
 from hybridengine.rollout.paged_context import padded_prefix_attention
-from hybridengine.rollout.paged_cache import (BlockAllocator, BlockTables, PagedKVCache,
-                                              paged_decode_attention, paged_prefill_attention)
+from hybridengine.rollout.block_manager import BlockAllocator, BlockTables
+from hybridengine.rollout.paged_cache import (PagedKVCache, paged_decode_attention,
+                                              paged_prefill_attention)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,7 @@ import torch
 from hybridengine.hybrid.generator import Generator
 from hybridengine.models.hf import load_decoder
 from hybridengine.rollout.engine import Engine
-from hybridengine.rollout.paged_cache import BlockAllocator, BlockTables
+from hybridengine.rollout.block_manager import BlockAllocator, BlockTables
 from hybridengine.rollout.paged_scheduler import PagedScheduler
 from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import SamplingParams

@@ -44,7 +44,8 @@ from hybridengine.models.attention import PackedInput
 from hybridengine.rollout.decode_graphs import DecodeGraphs
 from hybridengine.rollout.kv_cache import check_fits_device, kv_bytes_per_token
 from hybridengine.rollout.model_runner import ModelRunner
-from hybridengine.rollout.paged_cache import BlockAllocator, BlockTables, PagedKVCache
+from hybridengine.rollout.block_manager import BlockAllocator, BlockTables
+from hybridengine.rollout.paged_cache import PagedKVCache
 from hybridengine.rollout.paged_context import PagedDecodeContext, PagedPrefillContext
 from hybridengine.rollout.paged_scheduler import PrefillGroup
 from hybridengine.rollout.prefill_plan import (add_pad_index, add_prefix_index, dense_pays,

@@ -1,5 +1,5 @@
 """The paged layout's scheduler: which sequences prefill or decode next, admitted by free KV
-blocks (paged_cache.BlockTables) rather than by cache rows (pure Python, no tensors).
+blocks (block_manager.BlockTables) rather than by cache rows (pure Python, no tensors).
 
 Rows and blocks are separate. A row indexes the runner's per-sequence state (SlotState: last
 token, position, counters, key, outputs so far; `Sequence.slot`); a sequence takes a row at its
@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hybridengine.rollout.kv_cache import SlotAllocator
-from hybridengine.rollout.paged_cache import BlockTables
+from hybridengine.rollout.block_manager import BlockTables
 from hybridengine.rollout.scheduler import Sequence
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from hybridengine.rollout.scheduler import Sequence
 
 if TYPE_CHECKING:                # (annotations only: this module stays torch-free)
-    from hybridengine.rollout.paged_cache import BlockTables
+    from hybridengine.rollout.block_manager import BlockTables
     from hybridengine.rollout.paged_scheduler import PrefillGroup
 
 # the dense prefill attention runs while the padded prompts hold at most this many times the
