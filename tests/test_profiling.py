@@ -7,6 +7,7 @@ from tool_utils import load_tool
 
 _tool = load_tool("profiling")  # tools/profiling.py
 category, kernel_table, owner_at, timeline = _tool.category, _tool.kernel_table, _tool.owner_at, _tool.timeline
+idle_gaps, frontend_ops, launch_label = _tool.idle_gaps, _tool._frontend_ops, _tool._launch_label
 
 
 def test_work_goes_to_the_innermost_named_range(one_thread):
@@ -34,6 +35,31 @@ def test_timeline_gives_the_innermost_span():
     want = {-1: None, 0: "rollout", 5: "rollout", 10: "decode", 19.9: "decode", 20: "rollout",
             35: "decode", 40: "rollout", 99: "rollout", 100: "update", 149: "update", 150: None}
     assert {t: owner_at(starts, owners, t) for t in want} == want
+
+
+def test_idle_gaps_go_to_the_launcher_of_the_work_that_ends_them():
+    # a [0, 10) and b [4, 12) overlap; 3 us idle before c (too short); 30 us before d; 18 before e
+    items = [(4, 12, "b"), (0, 10, "a"), (15, 20, "c"), (50, 60, "train.optimizer"),
+             (78, 80, "aten::copy_")]
+    total, by = idle_gaps(items, min_gap_us=5)
+    assert total == 48 and by == {"train.optimizer": 30, "aten::copy_": 18}
+    assert idle_gaps([], 5) == (0.0, {})
+
+
+def test_a_kernel_is_charged_to_the_sub_range_around_the_op_that_launched_it():
+    from types import SimpleNamespace as E
+    from torch.autograd import DeviceType
+    cpu = dict(device_type=DeviceType.CPU, is_async=False)
+    step = E(name="train.optimizer", id=1, linked_correlation_id=0, cpu_parent=None, **cpu)
+    op = E(name="aten::addcdiv_", id=7, linked_correlation_id=0, cpu_parent=step, **cpu)
+    bare = E(name="aten::copy_", id=8, linked_correlation_id=0, cpu_parent=None, **cpu)
+    # the runtime call's own id (7) is of the device's numbering: it must not shadow the op
+    launch = E(name="cudaLaunchKernel", id=7, linked_correlation_id=7, cpu_parent=op, **cpu)
+    host = frontend_ops([step, op, bare, launch])
+    assert host[7] is op
+    assert launch_label(E(linked_correlation_id=7), host) == "train.optimizer"
+    assert launch_label(E(linked_correlation_id=8), host) == "aten::copy_"
+    assert launch_label(E(linked_correlation_id=99), host) == "unknown"
 
 
 def test_kernel_categories():

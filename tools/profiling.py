@@ -72,12 +72,19 @@ def owner_at(starts: list[float], owners: list, t: float):
     return owners[i] if i >= 0 else None
 
 
+def _device_kernels(events, ranges: set[str]) -> list:
+    """The device's work: its kernels and copies, not the annotations record_function leaves on
+    the device timeline (the named ranges' and every other one's)."""
+    return [e for e in events if e.device_type == DeviceType.CUDA and e.name not in ranges
+            and not getattr(e, "is_user_annotation", False)]
+
+
 def _work_items(events, ranges: set[str]):
     """(range, kernel name, start_us, end_us, stream) of every device kernel, or of every host op
     (its self time) when the run had no device kernels."""
     device = [e for e in events if e.device_type == DeviceType.CUDA]
     annotations = [e for e in device if e.name in ranges]
-    kernels = [e for e in device if e.name not in ranges]
+    kernels = _device_kernels(events, ranges)
     if annotations:
         starts, owners = timeline((a.time_range.start, a.time_range.end, a.name)
                                   for a in annotations)
@@ -86,7 +93,7 @@ def _work_items(events, ranges: set[str]):
                    k.time_range.end, k.device_resource_id)
         return
     if kernels:
-        host = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+        host = _frontend_ops(events)
         for k in kernels:
             launcher = host.get(getattr(k, "linked_correlation_id", 0))
             yield (_owner(launcher, ranges), k.name, k.time_range.start, k.time_range.end,
@@ -96,6 +103,43 @@ def _work_items(events, ranges: set[str]):
         if e.device_type == DeviceType.CPU and e.name not in ranges and e.self_cpu_time_total > 0:
             start = e.time_range.start
             yield _owner(e, ranges), e.name, start, start + e.self_cpu_time_total, e.thread
+
+
+def _frontend_ops(events) -> dict:
+    """{correlation id: host op} of the ops a device kernel's linked_correlation_id names: the
+    host events that are not themselves linked to another (torch.autograd.profiler pairs them
+    the same way; a runtime call such as cudaLaunchKernel carries the kernel's link, and its own
+    id is of another numbering)."""
+    return {e.id: e for e in events if e.device_type == DeviceType.CPU
+            and not getattr(e, "linked_correlation_id", 0) and not e.is_async}
+
+
+def _launch_label(kernel, host: dict) -> str:
+    """What launched `kernel`: the innermost enclosing sub-range (a record_function whose name
+    holds a dot, e.g. "train.optimizer") of its host launch, else the host op that launched it."""
+    event = host.get(getattr(kernel, "linked_correlation_id", 0))
+    op = None
+    while event is not None:
+        if "." in event.name and "::" not in event.name:
+            return event.name
+        if op is None and not event.name.startswith(("cuda", "cu")):
+            op = event.name
+        event = event.cpu_parent
+    return op or "unknown"
+
+
+def idle_gaps(items: Iterable[tuple[float, float, str]], min_gap_us: float = 5.0
+              ) -> tuple[float, dict[str, float]]:
+    """(start_us, end_us, launcher) of one range's device work -> (idle us, {launcher: idle us}):
+    every gap of at least min_gap_us in which no work ran, charged to the launcher of the work
+    that ended it (the device waited for the host to launch that)."""
+    total, by, busy_end = 0.0, defaultdict(float), None
+    for start, end, label in sorted(items):
+        if busy_end is not None and start - busy_end >= min_gap_us:
+            total += start - busy_end
+            by[label] += start - busy_end
+        busy_end = end if busy_end is None else max(busy_end, end)
+    return total, dict(by)
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -125,9 +169,11 @@ def kernel_table(prof, ranges: Iterable[str], top: int = 12) -> dict:
     """{range: {kernel_ms, kernels, span_ms, by_category_ms, streams_busy_ms, top}}; kernels
     outside every named range go to "other" (only when there are some)."""
     names = set(ranges)
+    events = prof.events()
     rows = defaultdict(list)
-    for owner, kname, start, end, stream in _work_items(prof.events(), names):
+    for owner, kname, start, end, stream in _work_items(events, names):
         rows[owner or "other"].append((kname, start, end, stream))
+    gaps = _idle_by_range(events, names)
     out = {}
     for owner, items in rows.items():
         by_name, by_cat, by_stream = defaultdict(lambda: [0, 0.0]), defaultdict(float), \
@@ -148,4 +194,21 @@ def kernel_table(prof, ranges: Iterable[str], top: int = 12) -> dict:
             "streams_busy_ms": {s: round(_busy_us(iv) / 1e3, 3) for s, iv in by_stream.items()},
             "top": [[n[:120], c, round(us / 1e3, 3)] for n, (c, us) in ranked],
         }
+        if owner in gaps:
+            idle, by = gaps[owner]
+            out[owner]["idle_ms"] = round(idle / 1e3, 3)
+            out[owner]["idle_by_launcher_ms"] = {
+                k: round(v / 1e3, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]}
     return out
+
+
+def _idle_by_range(events, names: set[str]) -> dict[str, tuple[float, dict[str, float]]]:
+    """idle_gaps of each range's device kernels (none without device kernels)."""
+    device = _device_kernels(events, names)
+    if not device:
+        return {}
+    host = _frontend_ops(events)
+    per_range = defaultdict(list)
+    for (owner, _, start, end, _), kernel in zip(_work_items(events, names), device):
+        per_range[owner or "other"].append((start, end, _launch_label(kernel, host)))
+    return {owner: idle_gaps(items) for owner, items in per_range.items()}

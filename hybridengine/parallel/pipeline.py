@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 
 class StageComm:
@@ -56,10 +57,11 @@ class StageComm:
 
 def _backward(output, grad, input_tensor):
     """Backward of one micro-batch; returns the gradient w.r.t. the stage input (or None)."""
-    if grad is None:
-        output.backward()
-    else:
-        torch.autograd.backward(output, grad_tensors=grad)
+    with record_function("train.backward"):
+        if grad is None:
+            output.backward()
+        else:
+            torch.autograd.backward(output, grad_tensors=grad)
     return None if input_tensor is None else input_tensor.grad
 
 

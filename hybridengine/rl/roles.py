@@ -61,7 +61,8 @@ class Role:
 
     def _microbatches(self, batch, idx_lists, fields=()):
         dev = self.engine.device
-        return [build_microbatch(batch, idx, self.mesh.tp, fields).to(dev) for idx in idx_lists]
+        return [build_microbatch(batch, idx, self.mesh.tp, fields).to(dev, non_blocking=True)
+                for idx in idx_lists]
 
     @torch.no_grad()
     def score(self, batch: Batch, key: str) -> torch.Tensor:
@@ -95,11 +96,16 @@ class Role:
         """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics. With
         keep_logprobs (one mini-batch, one epoch), the log-probs of its forward, before the
         step, become batch.tensors["old_logprob"] ([B, R] on every rank)."""
-        all_metrics: list[dict] = []
-        for idx in self._mini_batches(batch, mini_size, epochs, shuffle, seed):
+        def packed(idx):      # host work: done for mini-batch k + 1 during k's backward
             mini = batch.select(idx)
             plan = self._plan(mini, micro)
-            mbs = self._microbatches(mini, plan[self.mesh.dp_rank], fields)
+            return idx, mini, plan, self._microbatches(mini, plan[self.mesh.dp_rank], fields)
+
+        all_metrics: list[dict] = []
+        minis = list(self._mini_batches(batch, mini_size, epochs, shuffle, seed))
+        ready = [packed(minis[0])]
+        for k in range(len(minis)):
+            idx, mini, plan, mbs = ready.pop()
             scale_factor = mini.max_response_length if self.loss_scale_factor is None \
                 else self.loss_scale_factor
             info = GlobalBatchInfo.of(mini.response_mask, scale_factor)
@@ -108,7 +114,10 @@ class Role:
             loss_fn = loss_builder(info, scale)
             if keep_logprobs:
                 loss_fn = _keeping_logprobs(loss_fn, kept)
-            all_metrics.append(self.engine.train_step(mbs, loss_fn))
+            pack_next = (lambda i=k + 1: ready.append(packed(minis[i]))) \
+                if k + 1 < len(minis) else None
+            all_metrics.append(self.engine.train_step(mbs, loss_fn, before_step=pack_next,
+                                                      metrics_on_device=True))
             if keep_logprobs:
                 kept = broadcast_from_last_stage(kept, [mb.num_tokens for mb in mbs], self.mesh,
                                                  device=self.engine.device)
@@ -116,8 +125,7 @@ class Role:
                 old[torch.tensor(idx, dtype=torch.long)] = self._response_grid(mini, plan, mbs,
                                                                                kept)
                 batch.tensors["old_logprob"] = old
-        keys = all_metrics[0].keys()
-        return {k: sum(m[k] for m in all_metrics) / len(all_metrics) for k in keys}
+        return _mean_metrics(all_metrics)
 
 
 class Actor(Role):
@@ -224,3 +232,14 @@ def _keeping_logprobs(loss_fn, kept: list):
         kept.append(out["logprob"].detach())
         return loss_fn(out, mb)
     return keeping
+
+
+def _mean_metrics(per_step: list[dict]) -> dict:
+    """Each key's mean over the optimizer steps as floats; the device tensors among them are
+    read in one transfer (one host sync for the whole update, not one per step)."""
+    means = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+    on_device = [k for k, v in means.items() if isinstance(v, torch.Tensor)]
+    if on_device:
+        values = torch.stack([means[k].reshape(()).double() for k in on_device]).tolist()
+        means.update(zip(on_device, values))
+    return means

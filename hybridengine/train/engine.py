@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
@@ -54,11 +55,19 @@ class MicroBatch:
         """Real tokens (without the sequence-parallel pad)."""
         return self.packed.num_tokens - self.packed.num_pad
 
-    def to(self, device) -> "MicroBatch":
+    def to(self, device, non_blocking: bool = False) -> "MicroBatch":
+        """On `device`. non_blocking to CUDA: the host tensors are pinned first, so the host
+        does not wait for the copies, which queue behind the device's work (a pageable copy
+        makes the host wait for all of it: the device then idles while the host catches up)."""
+        device = torch.device(device)
+        async_copy = non_blocking and device.type == "cuda"
+
+        def move(t):
+            return t.pin_memory().to(device, non_blocking=True) if async_copy else t.to(device)
         p = self.packed
-        packed = PackedInput(p.input_ids.to(device), p.position_ids.to(device),
-                             p.cu_seqlens.to(device), p.max_seqlen, p.num_pad)
-        return MicroBatch(packed, {k: v.to(device) for k, v in self.tensors.items()})
+        packed = PackedInput(move(p.input_ids), move(p.position_ids), move(p.cu_seqlens),
+                             p.max_seqlen, p.num_pad)
+        return MicroBatch(packed, {k: move(v) for k, v in self.tensors.items()})
 
 
 @dataclass
@@ -224,10 +233,17 @@ class TrainEngine:
         return {"logprob": finish(logp), "entropy": finish(ent)}
 
     # --- public -------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[MicroBatch], loss_fn) -> dict:
+    def train_step(self, microbatches: list[MicroBatch], loss_fn, before_step=None,
+                   metrics_on_device: bool = False) -> dict:
         """Forward/backward over all micro-batches (1F1B), gradient sync, one optimizer step.
         Returns loss_fn's metrics averaged over micro-batches and DP ranks (on every rank), plus
-        grad_norm, lr and whether the update was applied."""
+        grad_norm, lr and whether the update was applied.
+
+        before_step(): host work (the next mini-batch's packing) run once the backward is queued
+        and before the optimizer step, whose gradient norm makes the host wait for the device:
+        done here it overlaps the device's backward instead of leaving the device idle after
+        the step. metrics_on_device: loss_fn's metrics as 0-d device tensors (the caller reads
+        them once for all its steps) instead of floats (a host sync per step)."""
         self.require(*PARTS)
         opt = self.optimizer
         opt.zero_grad()
@@ -239,10 +255,12 @@ class TrainEngine:
             moe.loss_sums.zero_()           # replicas, as the gradients are summed over both
 
         def forward_step(i, x):
-            out = self._stage_outputs(microbatches[i], x, views[i])
+            with record_function("train.forward"):
+                out = self._stage_outputs(microbatches[i], x, views[i])
             if not self.mesh.is_last_stage:
                 return out
-            loss, m = loss_fn(out, microbatches[i])
+            with record_function("train.loss"):
+                loss, m = loss_fn(out, microbatches[i])
             # Kept as device tensors: a float() here would make the host wait for every
             # micro-batch's forward, and the GPU idle while the host then queues the backward.
             metrics.append({k: v.detach() if isinstance(v, torch.Tensor) else v
@@ -250,11 +268,17 @@ class TrainEngine:
             return loss
         train_1f1b(forward_step, len(microbatches), self._activation_shape(microbatches, views),
                    self.comm)
-        self._sync_tied_embedding_grads()
-        opt.finish_grad_sync()
+        if before_step is not None:
+            with record_function("train.before_step"):
+                before_step()
+        with record_function("train.grad_sync"):
+            self._sync_tied_embedding_grads()
+            opt.finish_grad_sync()
         lr = opt.current_lr
-        grad_norm, stepped = opt.step()     # the LR schedule advances per trainer step (caller)
-        out = self._share_metrics(metrics)
+        with record_function("train.optimizer"):
+            grad_norm, stepped = opt.step()   # the LR schedule advances per trainer step (caller)
+        with record_function("train.metrics"):
+            out = self._share_metrics(metrics, on_device=metrics_on_device)
         out.update(grad_norm=grad_norm, lr=lr, stepped=float(stepped), **self._router_metrics())
         return out
 
@@ -278,9 +302,9 @@ class TrainEngine:
             else self.model.lm_head.weight
         dist.all_reduce(p.main_grad, group=self.embedding_group)
 
-    def _share_metrics(self, metrics: list[dict]) -> dict:
+    def _share_metrics(self, metrics: list[dict], on_device: bool = False) -> dict:
         """Mean over micro-batches and DP ranks of the last stage's metrics, on every rank (CP
-        ranks computed the same ones)."""
+        ranks computed the same ones): floats, or with on_device 0-d float64 device tensors."""
         keys = sorted(metrics[0]) if metrics else []
         if self.mesh.pp > 1:
             obj = [keys]
@@ -293,7 +317,7 @@ class TrainEngine:
         if self.mesh.dp > 1:
             dist.all_reduce(vals, group=self.mesh.dp_group)
             vals /= self.mesh.dp
-        return dict(zip(keys, vals.tolist()))
+        return dict(zip(keys, vals.unbind() if on_device else vals.tolist()))
 
     @torch.no_grad()
     def forward_only(self, microbatches: list[MicroBatch]) -> list[dict[str, torch.Tensor]]:
