@@ -7,7 +7,7 @@ from tool_utils import load_tool
 
 _tool = load_tool("profiling")  # tools/profiling.py
 category, kernel_table, owner_at, timeline = _tool.category, _tool.kernel_table, _tool.owner_at, _tool.timeline
-idle_gaps, frontend_ops, launch_label = _tool.idle_gaps, _tool._frontend_ops, _tool._launch_label
+idle_gaps, host_index, launch_label = _tool.idle_gaps, _tool._host_index, _tool._launch_label
 
 
 def test_work_goes_to_the_innermost_named_range(one_thread):
@@ -46,20 +46,23 @@ def test_idle_gaps_go_to_the_launcher_of_the_work_that_ends_them():
     assert idle_gaps([], 5) == (0.0, {})
 
 
-def test_a_kernel_is_charged_to_the_sub_range_around_the_op_that_launched_it():
+def test_a_kernel_is_charged_to_the_sub_range_around_the_call_that_launched_it():
     from types import SimpleNamespace as E
     from torch.autograd import DeviceType
     cpu = dict(device_type=DeviceType.CPU, is_async=False)
     step = E(name="train.optimizer", id=1, linked_correlation_id=0, cpu_parent=None, **cpu)
     op = E(name="aten::addcdiv_", id=7, linked_correlation_id=0, cpu_parent=step, **cpu)
     bare = E(name="aten::copy_", id=8, linked_correlation_id=0, cpu_parent=None, **cpu)
-    # the runtime call's own id (7) is of the device's numbering: it must not shadow the op
-    launch = E(name="cudaLaunchKernel", id=7, linked_correlation_id=7, cpu_parent=op, **cpu)
-    host = frontend_ops([step, op, bare, launch])
-    assert host[7] is op
-    assert launch_label(E(linked_correlation_id=7), host) == "train.optimizer"
-    assert launch_label(E(linked_correlation_id=8), host) == "aten::copy_"
-    assert launch_label(E(linked_correlation_id=99), host) == "unknown"
+    # the runtime call: the kernel's correlation id (500), nested in the op
+    launch = E(name="cudaLaunchKernel", id=500, linked_correlation_id=7, cpu_parent=op, **cpu)
+    # CUPTI's own host events carry id 0: a kernel without a link must not land on them
+    cupti = E(name="Activity Buffer Request", id=0, linked_correlation_id=0, cpu_parent=None,
+              **cpu)
+    index = host_index([step, op, bare, launch, cupti])
+    assert launch_label(E(id=500, linked_correlation_id=7), index) == "train.optimizer"
+    # no runtime call recorded: the op the link names
+    assert launch_label(E(id=501, linked_correlation_id=8), index) == "aten::copy_"
+    assert launch_label(E(id=502, linked_correlation_id=0), index) == "unknown"
 
 
 def test_kernel_categories():

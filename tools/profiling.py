@@ -93,9 +93,9 @@ def _work_items(events, ranges: set[str]):
                    k.time_range.end, k.device_resource_id)
         return
     if kernels:
-        host = _frontend_ops(events)
+        index = _host_index(events)
         for k in kernels:
-            launcher = host.get(getattr(k, "linked_correlation_id", 0))
+            launcher = _launcher(k, index)
             yield (_owner(launcher, ranges), k.name, k.time_range.start, k.time_range.end,
                    k.device_resource_id)
         return
@@ -105,24 +105,43 @@ def _work_items(events, ranges: set[str]):
             yield _owner(e, ranges), e.name, start, start + e.self_cpu_time_total, e.thread
 
 
-def _frontend_ops(events) -> dict:
-    """{correlation id: host op} of the ops a device kernel's linked_correlation_id names: the
-    host events that are not themselves linked to another (torch.autograd.profiler pairs them
-    the same way; a runtime call such as cudaLaunchKernel carries the kernel's link, and its own
-    id is of another numbering)."""
-    return {e.id: e for e in events if e.device_type == DeviceType.CPU
-            and not getattr(e, "linked_correlation_id", 0) and not e.is_async}
+_RUNTIME = ("cuda", "cu")       # cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync, cuLaunch...
 
 
-def _launch_label(kernel, host: dict) -> str:
+def _host_index(events) -> tuple[dict, dict]:
+    """({CUDA correlation id: the runtime call}, {external id: the host op}): a kernel's own id
+    is the correlation id of the runtime call that launched it (the runtime call then nests in
+    the op, on the op's thread); its linked_correlation_id, where set (> 0), is the op's id.
+    The two numberings are apart, so each has its own map."""
+    runtime, ops = {}, {}
+    for e in events:
+        if e.device_type != DeviceType.CPU or e.is_async:
+            continue
+        if e.name.startswith(_RUNTIME):
+            runtime[e.id] = e
+        elif not getattr(e, "linked_correlation_id", 0) and e.id > 0:
+            ops[e.id] = e
+    return runtime, ops
+
+
+def _launcher(kernel, index: tuple[dict, dict]):
+    """The host event that launched `kernel` (the runtime call, else the op), or None."""
+    runtime, ops = index
+    event = runtime.get(kernel.id)
+    link = getattr(kernel, "linked_correlation_id", 0)
+    if event is None and link > 0:
+        event = ops.get(link)
+    return event
+
+
+def _launch_label(kernel, index: tuple[dict, dict]) -> str:
     """What launched `kernel`: the innermost enclosing sub-range (a record_function whose name
     holds a dot, e.g. "train.optimizer") of its host launch, else the host op that launched it."""
-    event = host.get(getattr(kernel, "linked_correlation_id", 0))
-    op = None
+    event, op = _launcher(kernel, index), None
     while event is not None:
         if "." in event.name and "::" not in event.name:
             return event.name
-        if op is None and not event.name.startswith(("cuda", "cu")):
+        if op is None and not event.name.startswith(_RUNTIME):
             op = event.name
         event = event.cpu_parent
     return op or "unknown"
@@ -207,8 +226,8 @@ def _idle_by_range(events, names: set[str]) -> dict[str, tuple[float, dict[str, 
     device = _device_kernels(events, names)
     if not device:
         return {}
-    host = _frontend_ops(events)
+    index = _host_index(events)
     per_range = defaultdict(list)
     for (owner, _, start, end, _), kernel in zip(_work_items(events, names), device):
-        per_range[owner or "other"].append((start, end, _launch_label(kernel, host)))
+        per_range[owner or "other"].append((start, end, _launch_label(kernel, index)))
     return {owner: idle_gaps(items) for owner, items in per_range.items()}
