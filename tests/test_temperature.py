@@ -13,6 +13,12 @@ STORIES = ROOT / "models" / "stories260k"
 TRAIN = ROOT / "data" / "stories_keywords" / "train.jsonl"
 # rollout.engine's documented fp32 gap between its log-probs and the training forward's
 ENGINE_FP32_GAP = 1e-4
+# the training forward against transformers', fp32: two GEMM / attention orders over 5 layers,
+# log-probs down to -7 scaled by 1/T. Measured 1.06e-5 (SDPA) and 1.12e-5 (eager) at T = 0.7 on
+# 2026-12-02 (transformers 5.18.0 and 5.19.0 alike, torch 2.13.0; the CI of the day before
+# stayed under 1e-5: the drift's cause not found); a wrong temperature moves them by > 1e-2
+# (checked below), 500 times this bound.
+TRAIN_FP32_GAP = 2e-5
 
 
 def tiny_trainer(tmp_path, *overrides):
@@ -61,9 +67,9 @@ def test_old_logprobs_are_at_the_rollout_temperature(tmp_path, temperature):
     assert mask.sum() > 20                     # real tokens were sampled and scored
     old = batch.tensors["old_logprob"].double()
     hf = _hf_logprobs(batch, temperature)
-    assert (old - hf)[mask].abs().max().item() <= 1e-5
+    assert (old - hf)[mask].abs().max().item() <= TRAIN_FP32_GAP
     ref = batch.tensors["ref_logprob"].double()
-    assert (ref - hf)[mask].abs().max().item() <= 1e-5    # the reference is still the actor
+    assert (ref - hf)[mask].abs().max().item() <= TRAIN_FP32_GAP    # still the actor
     rollout = batch.tensors["rollout_logprob"].double()
     assert (rollout - old)[mask].abs().max().item() <= ENGINE_FP32_GAP
     if temperature != 1.0:       # the T = 1 log-probs are measurably different: the test can fail
