@@ -80,29 +80,28 @@ def _device_kernels(events, ranges: set[str]) -> list:
 
 
 def _work_items(events, ranges: set[str]):
-    """(range, kernel name, start_us, end_us, stream) of every device kernel, or of every host op
-    (its self time) when the run had no device kernels."""
+    """(range, kernel name, start_us, end_us, stream, launcher) of every device kernel
+    (launcher: _launch_label), or of every host op (its self time; launcher None) when the run
+    had no device kernels."""
     device = [e for e in events if e.device_type == DeviceType.CUDA]
     annotations = [e for e in device if e.name in ranges]
     kernels = _device_kernels(events, ranges)
-    if annotations:
-        starts, owners = timeline((a.time_range.start, a.time_range.end, a.name)
-                                  for a in annotations)
-        for k in kernels:
-            yield (owner_at(starts, owners, k.time_range.start), k.name, k.time_range.start,
-                   k.time_range.end, k.device_resource_id)
-        return
     if kernels:
         index = _host_index(events)
+        if annotations:
+            starts, owners = timeline((a.time_range.start, a.time_range.end, a.name)
+                                      for a in annotations)
+            owner = lambda k: owner_at(starts, owners, k.time_range.start)     # noqa: E731
+        else:
+            owner = lambda k: _owner(_launcher(k, index), ranges)              # noqa: E731
         for k in kernels:
-            launcher = _launcher(k, index)
-            yield (_owner(launcher, ranges), k.name, k.time_range.start, k.time_range.end,
-                   k.device_resource_id)
+            yield (owner(k), k.name, k.time_range.start, k.time_range.end, k.device_resource_id,
+                   _launch_label(k, index))
         return
     for e in events:        # host ops by self time (a matmul's work is its own, not its children's)
         if e.device_type == DeviceType.CPU and e.name not in ranges and e.self_cpu_time_total > 0:
             start = e.time_range.start
-            yield _owner(e, ranges), e.name, start, start + e.self_cpu_time_total, e.thread
+            yield _owner(e, ranges), e.name, start, start + e.self_cpu_time_total, e.thread, None
 
 
 _RUNTIME = ("cuda", "cu")       # cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync, cuLaunch...
@@ -188,46 +187,32 @@ def kernel_table(prof, ranges: Iterable[str], top: int = 12) -> dict:
     """{range: {kernel_ms, kernels, span_ms, by_category_ms, streams_busy_ms, top}}; kernels
     outside every named range go to "other" (only when there are some)."""
     names = set(ranges)
-    events = prof.events()
     rows = defaultdict(list)
-    for owner, kname, start, end, stream in _work_items(events, names):
-        rows[owner or "other"].append((kname, start, end, stream))
-    gaps = _idle_by_range(events, names)
+    for owner, kname, start, end, stream, launcher in _work_items(prof.events(), names):
+        rows[owner or "other"].append((kname, start, end, stream, launcher))
     out = {}
     for owner, items in rows.items():
         by_name, by_cat, by_stream = defaultdict(lambda: [0, 0.0]), defaultdict(float), \
             defaultdict(list)
-        for kname, start, end, stream in items:
+        for kname, start, end, stream, _ in items:
             by_name[kname][0] += 1
             by_name[kname][1] += end - start
             by_cat[category(kname)] += end - start
             by_stream[str(stream)].append((start, end))
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
         out[owner] = {
-            "kernel_ms": round(sum(e - s for _, s, e, _ in items) / 1e3, 3),
+            "kernel_ms": round(sum(e - s for _, s, e, _, _ in items) / 1e3, 3),
             "kernels": len(items),
-            "span_ms": round((max(e for _, _, e, _ in items) - min(s for _, s, _, _ in items))
-                             / 1e3, 3),
+            "span_ms": round((max(e for _, _, e, _, _ in items)
+                              - min(s for _, s, _, _, _ in items)) / 1e3, 3),
             "by_category_ms": {c: round(us / 1e3, 3) for c, us in
                                sorted(by_cat.items(), key=lambda kv: -kv[1])},
             "streams_busy_ms": {s: round(_busy_us(iv) / 1e3, 3) for s, iv in by_stream.items()},
             "top": [[n[:120], c, round(us / 1e3, 3)] for n, (c, us) in ranked],
         }
-        if owner in gaps:
-            idle, by = gaps[owner]
+        if items[0][4] is not None:            # device kernels: where the device waited
+            idle, by = idle_gaps((s, e, launcher) for _, s, e, _, launcher in items)
             out[owner]["idle_ms"] = round(idle / 1e3, 3)
             out[owner]["idle_by_launcher_ms"] = {
                 k: round(v / 1e3, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]}
     return out
-
-
-def _idle_by_range(events, names: set[str]) -> dict[str, tuple[float, dict[str, float]]]:
-    """idle_gaps of each range's device kernels (none without device kernels)."""
-    device = _device_kernels(events, names)
-    if not device:
-        return {}
-    index = _host_index(events)
-    per_range = defaultdict(list)
-    for (owner, _, start, end, _), kernel in zip(_work_items(events, names), device):
-        per_range[owner or "other"].append((start, end, _launch_label(kernel, index)))
-    return {owner: idle_gaps(items) for owner, items in per_range.items()}

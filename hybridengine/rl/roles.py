@@ -99,13 +99,13 @@ class Role:
         def packed(idx):      # host work: done for mini-batch k + 1 during k's backward
             mini = batch.select(idx)
             plan = self._plan(mini, micro)
-            return idx, mini, plan, self._microbatches(mini, plan[self.mesh.dp_rank], fields)
+            return mini, plan, self._microbatches(mini, plan[self.mesh.dp_rank], fields)
 
         all_metrics: list[dict] = []
         minis = list(self._mini_batches(batch, mini_size, epochs, shuffle, seed))
         ready = [packed(minis[0])]
-        for k in range(len(minis)):
-            idx, mini, plan, mbs = ready.pop()
+        for k, idx in enumerate(minis):
+            mini, plan, mbs = ready.pop()
             scale_factor = mini.max_response_length if self.loss_scale_factor is None \
                 else self.loss_scale_factor
             info = GlobalBatchInfo.of(mini.response_mask, scale_factor)
@@ -240,6 +240,6 @@ def _mean_metrics(per_step: list[dict]) -> dict:
     means = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
     on_device = [k for k, v in means.items() if isinstance(v, torch.Tensor)]
     if on_device:
-        values = torch.stack([means[k].reshape(()).double() for k in on_device]).tolist()
+        values = torch.stack([means[k] for k in on_device]).tolist()
         means.update(zip(on_device, values))
     return means
