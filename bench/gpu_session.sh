@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: paged paged_ppo trl tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: realtext paged paged_ppo trl tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -149,6 +149,22 @@ for p in $parts; do case $p in
                --defaults --warmup 1 --steps 2 --response-lengths "lognormal:1024:${PAGED_SIGMA:-0.8}" \
                --set data.max_response_length=4096 --set actor_rollout_ref.rollout.kv_layout=$layout $data
            done ;;
+  realtext) # real text that stops at EOS, on the GPU: the default job's pretrained stories260K
+           # (models/stories260k) with GRPO, then PPO (critic, GAE, 4 mini-batches an update),
+           # one process, responses of up to RT_LEN tokens (the model stops where it chooses)
+           rt="trainer.device=cuda actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1
+               data.max_response_length=${RT_LEN:-448} trainer.total_training_steps=${RT_STEPS:-10}
+               trainer.save_freq=-1 trainer.test_freq=5"
+           ppo="algorithm.adv_estimator=gae actor_rollout_ref.rollout.n=1 data.train_batch_size=64
+                actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+                critic.optim.lr=1e-3 critic.ppo_micro_batch_size_per_gpu=8"
+           for algo in grpo ppo; do
+             extra=; [ $algo = ppo ] && extra=$ppo
+             timeout "${T:-200}" torchrun --nproc_per_node=1 launch/ppo.py $rt $extra \
+               trainer.default_local_dir=/tmp/realtext_$algo > "$RES/realtext_$algo.log" 2>&1
+             echo "realtext_$algo rc=$?" | tee -a "$RES/session.log"; tail -4 "$RES/realtext_$algo.log" >> "$RES/session.log"
+             cp /tmp/realtext_$algo/metrics.jsonl "$RES/realtext_$algo.metrics.jsonl" 2>/dev/null; pack
+           done ;;
   trl)     # issue 27's peer in the same call: TRL's GRPOTrainer (HF generate) at the fixed
            # workload's shape, 3 steps (../shared/bench/hf_trl_baseline.py copied to .benchdata/;
            # trl, datasets, dill, multiprocess wheels in .whl/)
@@ -171,17 +187,19 @@ for p in $parts; do case $p in
            # in the same session, the same flags for each (FAMILY_MODELS: a subset). Rollout:
            # compiled decode step and prefill (FAMILY_ROLLOUT_ARGS: another workload, e.g. short
            # contexts where the weights, not the KV cache, bound the decode step; FAMILY_TAG: a
-           # suffix for those runs' names); GRPO: 2 steps of fixed 512 + 256 tokens, defaults
+           # suffix for those runs' names; FAMILY_ROLLOUT_COMPILE= : CUDA graphs without inductor);
+           # GRPO: 2 steps of fixed 512 + 256 tokens, defaults (FAMILY_PPO_FLAGS: other flags, e.g.
+           # empty: eager training layers, CUDA graphs without inductor in the rollout)
            fam=${FAMILY_MODELS:-qwen3-0.6b qwen3-1.7b gemma2-2b}
            if [ "$p" != families_ppo ]; then
              for m in qwen2.5-0.5b $fam; do
-               run "rollout_$m${FAMILY_TAG:-}" python3 tools/bench_rollout.py --model "$m" --compile --compile-prefill ${FAMILY_ROLLOUT_ARGS:-}
+               run "rollout_$m${FAMILY_TAG:-}" python3 tools/bench_rollout.py --model "$m" ${FAMILY_ROLLOUT_COMPILE---compile --compile-prefill} ${FAMILY_ROLLOUT_ARGS:-}
              done
            fi
            if [ "$p" != families_rollout ]; then
              data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
              for m in 0.5b $fam; do
-               T=${T:-580} run "grpo_family_$m" python3 tools/bench_ppo.py --workload fixed --algo grpo --defaults --steps 2 --model "$m" $data
+               T=${T:-580} run "grpo_family_$m${FAMILY_TAG:-}" python3 tools/bench_ppo.py --workload fixed --algo grpo ${FAMILY_PPO_FLAGS---defaults} --steps 2 --model "$m" $data
              done
            fi ;;
 esac; done

@@ -162,3 +162,36 @@ def test_the_plan_counts_compiled_layers_where_the_role_compiles():
     assert not any(rl_memory._compiled(
         dataclasses.make_dataclass("R", ["use_torch_compile"])(True), torch.device("cpu"))
         .values())
+
+
+GEMMA2 = dict(vocab_size=256, num_layers=1, tie_word_embeddings=True, hidden_size=128,
+              intermediate_size=384, num_heads=4, num_kv_heads=1, head_dim=32,
+              model_type="gemma2", hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32)
+
+
+def test_eager_gemma_layer_saves_the_estimate_with_its_fp32_norms(monkeypatch, one_thread):
+    """Gemma's (1 + w) norms are an fp32 composite on every device (CPU and CUDA save the same):
+    the eager bf16 count with them, by the CUDA rule for attention, within 5%."""
+    cfg = ModelConfig(**GEMMA2)
+    measured = _measure(cfg, False, False, monkeypatch)
+    est = layer_activation_elements(cfg, 1, False)
+    print(f"gemma2 eager: estimate {est:.0f}, saved {measured:.1f} elements per token")
+    assert abs(est / measured - 1) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_soft_capped_attention_saves_its_scores_per_sequence_length(dtype, one_thread):
+    """Gemma 2's capped attention (torch, per sequence: the same path on CUDA) saves, per token
+    and layer, n·(h·(2b + 4) + 1) bytes more for sequences of n tokens (fp32: 8h + 1): the
+    difference between packings of the same tokens into sequences of 32 and of 128."""
+    from hybridengine.train.activation_memory import capped_attention_bytes
+    cfg = ModelConfig(attn_softcap=50.0, final_softcap=30.0, **GEMMA2)
+    torch.manual_seed(0)
+    model = Decoder(cfg, dtype=dtype).train()
+    saved = {n: _layer_saved_bytes(model, PackedInput.from_lengths(
+        torch.randint(0, cfg.vocab_size, (T,)), [n] * (T // n))) for n in (32, 128)}
+    per_token = (saved[128] - saved[32]) / T
+    b = dtype.itemsize
+    assert per_token == capped_attention_bytes(cfg, 1, 128, b) - \
+        capped_attention_bytes(cfg, 1, 32, b)
+    assert capped_attention_bytes(ModelConfig(**GEMMA2), 1, 128, b) == 0    # no cap, no scores

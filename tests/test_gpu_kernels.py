@@ -67,9 +67,13 @@ def test_cuda_matches_torch_half(dtype, tokens, chunk_cols):
     assert errs["grad hidden"] < 2e-2 and errs["grad weight"] < 2e-2
 
 
-def test_decoder_head_on_cuda():
+@pytest.mark.parametrize("final_softcap", [None, 2.0])
+def test_decoder_head_on_cuda(final_softcap):
+    """The fused head (CUDA chunk ops; Gemma 2's soft-cap applied per chunk) against the
+    unfused head on full logits."""
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+                      final_softcap=final_softcap)
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         model = Decoder(cfg, dtype=dtype, device="cuda")

@@ -100,9 +100,13 @@ def test_chunks_cover_the_slice_balanced_and_bounded():
     assert _chunks(19, 19, 37, 5, 7) == [(0, 7, 7), (7, 14, 7), (14, 19, 4)]
 
 
-def test_decoder_logprob_entropy_matches_unfused_head():
+@pytest.mark.parametrize("final_softcap", [None, 1.5])
+def test_decoder_logprob_entropy_matches_unfused_head(final_softcap):
+    """The decoder's head (fused, chunked) against full logits (soft-capped for Gemma 2: the
+    cap 1.5 bends logits of size ~3, so a missing or wrong cap derivative shows)."""
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+                      num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True,
+                      final_softcap=final_softcap)
     torch.manual_seed(0)
     model = Decoder(cfg, dtype=torch.float64)
     hidden = torch.randn(TOKENS, 16, dtype=torch.float64)
@@ -118,6 +122,34 @@ def test_decoder_logprob_entropy_matches_unfused_head():
     _assert_close(model.head_weight.grad, ref_grad, 1e-10, "decoder head grad")
 
 
+@pytest.mark.parametrize("chunk_cols", [None, 5, 1])
+@pytest.mark.parametrize("picked", [False, True])
+def test_softcap_matches_capped_full_logits(chunk_cols, picked):
+    """Gemma 2's final soft-cap inside the chunks: values and gradients equal vocab.py on
+    cap·tanh(logits/cap) of the full logits (fp64), with and without picked rows."""
+    hidden, weight, targets, w_lp, w_ent = _inputs(torch.float64)
+    weight[VOCAB:] = 0.0
+    cap = 2.0
+    rows = PICKED if picked else None
+    keep = torch.zeros(TOKENS, dtype=torch.float64).index_fill(0, PICKED, 1.0) if picked \
+        else torch.ones(TOKENS, dtype=torch.float64)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    capped = torch.tanh((h @ w.t()) / cap) * cap
+    ref = vocab_parallel_logprob_entropy(capped, targets, None, VOCAB, 0.7)
+    _loss(ref[0] * keep, ref[1] * keep, w_lp, w_ent).backward()
+    ref_gh, ref_gw = h.grad, w.grad
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, ent = fused_linear_logprob_entropy(h, w, targets, None, VOCAB, 0.7,
+                                             chunk_cols=chunk_cols, rows=rows, softcap=cap)
+    _loss(logp, ent, w_lp, w_ent).backward()
+    _assert_close(logp, ref[0].detach() * keep, 1e-10, "logprob")
+    _assert_close(ent, ref[1].detach() * keep, 1e-10, "entropy")
+    _assert_close(h.grad, ref_gh, 1e-10, "grad hidden")
+    _assert_close(w.grad, ref_gw, 1e-10, "grad weight")
+    uncapped = fused_linear_logprob_entropy(hidden, weight, targets, None, VOCAB, 0.7)[0]
+    assert (uncapped - ref[0].detach()).abs().max() > 1e-2     # the cap matters here
+
+
 def test_bad_input_is_one_clear_error():
     hidden, weight, targets, _, _ = _inputs(torch.float32)
     with pytest.raises(ValueError, match="targets"):
@@ -130,6 +162,8 @@ def test_bad_input_is_one_clear_error():
         fused_linear_logprob_entropy(hidden, weight, targets, None, VOCAB, 0.0)
     with pytest.raises(ValueError, match="chunk_cols"):
         fused_linear_logprob_entropy(hidden, weight, targets, None, VOCAB, chunk_cols=0)
+    with pytest.raises(ValueError, match="softcap=0"):
+        fused_linear_logprob_entropy(hidden, weight, targets, None, VOCAB, softcap=0)
     with pytest.raises(ValueError, match="impl"):
         fused_linear_logprob_entropy(hidden, weight, targets, None, VOCAB, impl="triton")
     with pytest.raises(RuntimeError, match="cuda"):

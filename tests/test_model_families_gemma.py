@@ -192,7 +192,46 @@ def test_gemma2_tp2_logits_grads_and_greedy_equal_tp1(dirs, one_thread):
 TRITON_MIXED_CHECK = """
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"          # Triton's CPU interpreter
+import hybridengine.rollout.attention as rollout_attention
 from hybridengine.models.decoder import Decoder, ModelConfig
+# the spec layers' torch path (masked_attention over the gathered cache), counted: under the
+# triton backend every decode layer, windowed, capped and rescaled ones included, takes the
+# kernel
+torch_spec_calls = []
+_masked = rollout_attention.masked_attention
+rollout_attention.masked_attention = lambda *a: torch_spec_calls.append(1) or _masked(*a)
+torch.manual_seed(0)
+# Gemma 2: every layer capped (a cap of 2 bends these scores), query scale 1/sqrt(10), not
+# head_dim's; sliding layers of 5 keys beside global ones; prompts longer than the window
+cfg = ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=96, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, model_type="gemma2",
+                  sliding_window=5, query_pre_attn_scalar=10, attn_softcap=2.0,
+                  final_softcap=3.0, layer_types=("sliding_attention", "full_attention"),
+                  hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+model = Decoder(cfg)
+with torch.no_grad():       # scores of a few units, which the cap bends
+    for layer in model.layers:
+        layer.self_attn.qkv_proj.weight.mul_(4.0)
+assert all(layer.self_attn.spec.softcap == 2.0 for layer in model.layers)
+prompts = [[1, 2, 3], [7] * 12, [4, 9]]
+max_model_len, max_tokens = 64, 8
+""" + TRITON_MATCHES_SDPA.replace('print("ok")', """
+calls_sdpa = len(torch_spec_calls)
+torch_spec_calls.clear()
+engines["triton"].generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+assert not torch_spec_calls and calls_sdpa > 0, (len(torch_spec_calls), calls_sdpa)
+# the kernel's plain form too (RoPE and the cache write before it: fused_rope off)
+from dataclasses import replace
+from hybridengine.kernels.settings import DEFAULT_KERNEL_SETTINGS
+plain = Engine(model, RolloutConfig(max_num_seqs=4, max_model_len=max_model_len,
+                                    attn_backend="triton",
+                                    kernels=replace(DEFAULT_KERNEL_SETTINGS, fused_rope=False)))
+for a, b in zip(plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens)),
+                runs["sdpa"]):
+    assert a.token_ids == b.token_ids
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+assert not torch_spec_calls
+""") + """
 torch.manual_seed(0)
 cfg = ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,

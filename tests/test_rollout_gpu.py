@@ -117,6 +117,18 @@ def test_fused_sampler_matches_torch_sampler_bf16_full_vocab():
     assert [r.token_ids for r in again] == [r.token_ids for r in res]
 
 
+def _decode_case(B, hq, hkv, d, L, spread=1.0):
+    """A decode step's bf16 inputs: the qkv projection's rows [B, h_q + 2h_kv, d], K/V caches of
+    B + 1 slots (values of scale `spread`), the rows' slots and each slot's position."""
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    qkv = (torch.randn(B, hq + 2 * hkv, d, device=CUDA, generator=g) * spread).to(torch.bfloat16)
+    kc = (torch.randn(B + 1, L, hkv, d, device=CUDA, generator=g) * spread).to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    slots = torch.randperm(B, device=CUDA, generator=g)
+    by_slot = torch.randint(0, L, (B + 1,), device=CUDA, generator=g)
+    return qkv, kc, vc, slots, by_slot, by_slot[slots]
+
+
 def test_fused_rope_decode_attention_bf16_benchmark_shape():
     """The one-launch decode attention (RoPE of q and the new key, cache write, attention) at
     the rollout benchmark's shape in bf16 (256 rows, 768 cached positions, 14 / 2 heads of 64):
@@ -125,13 +137,7 @@ def test_fused_rope_decode_attention_bf16_benchmark_shape():
     from hybridengine.kernels import decode_attention as da
     from hybridengine.models.attention import RotaryEmbedding, apply_rope
     B, hq, hkv, d, L, bf = 256, 14, 2, 64, 768, torch.bfloat16
-    g = torch.Generator(device=CUDA).manual_seed(0)
-    qkv = torch.randn(B, hq + 2 * hkv, d, device=CUDA, generator=g).to(bf)
-    kc = torch.randn(B + 1, L, hkv, d, device=CUDA, generator=g).to(bf)
-    vc = torch.randn_like(kc)
-    slots = torch.randperm(B, device=CUDA, generator=g)
-    by_slot = torch.randint(0, L, (B + 1,), device=CUDA, generator=g)
-    pos = by_slot[slots]
+    qkv, kc, vc, slots, by_slot, pos = _decode_case(B, hq, hkv, d, L)
     cos, sin = RotaryEmbedding(d, 1e6, CUDA)(pos)
     kf, vf = kc.clone(), vc.clone()
     out = da.decode_attention_rope(qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cos, sin,
@@ -144,6 +150,36 @@ def test_fused_rope_decode_attention_bf16_benchmark_shape():
     seqlens = (pos + 1).to(torch.int32)
     ref = da.decode_attention(qk[:, :hq], kc, vc, slots, seqlens)
     assert (out.float() - ref.float()).abs().max() < 2e-2
+
+
+def test_decode_attention_with_gemma2_spec_at_head_dim_256():
+    """Gemma 2's attention in the triton decode kernels at the 2B shape's heads (8 / 4 of 256,
+    the tile narrowed to fit shared memory): a query scale other than 1/sqrt(d), the logit
+    soft-cap of 50 and a window of 100 keys, plain and fused-RoPE forms, against the masked
+    torch attention (fp32) over the same cache."""
+    from hybridengine.kernels import decode_attention as da
+    from hybridengine.models.attention import RotaryEmbedding, apply_rope
+    from hybridengine.models.features import AttentionSpec, masked_attention, window_mask
+    B, hq, hkv, d, L, bf = 64, 8, 4, 256, 768, torch.bfloat16
+    qkv, kc, vc, slots, by_slot, pos = _decode_case(B, hq, hkv, d, L, spread=2.0)
+    cos, sin = RotaryEmbedding(d, 1e4, CUDA)(pos)
+    kf, vf = kc.clone(), vc.clone()
+    for spec in (AttentionSpec(window=100, softcap=50.0, scale=0.3),
+                 AttentionSpec(softcap=50.0, scale=0.3)):
+        args = dict(scale=spec.scale, softcap=spec.softcap, window=spec.window or 0)
+        out = da.decode_attention_rope(qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:],
+                                       cos, sin, kf, vf, slots, by_slot, **args)
+        qk = apply_rope(qkv[:, :hq + hkv].float(), cos.to(bf).float(),
+                        sin.to(bf).float()).to(bf)
+        kc[slots, pos], vc[slots, pos] = qk[:, hq:], qkv[:, hq + hkv:]
+        plain = da.decode_attention(qk[:, :hq], kc, vc, slots, (pos + 1).to(torch.int32), **args)
+        cols = torch.arange(L, device=CUDA)
+        mask = window_mask(pos[:, None], cols[None, :], spec.window)[:, None, None, :]
+        ref = masked_attention(qk[:, :hq].float().unsqueeze(2), kc[slots].float().transpose(1, 2),
+                               vc[slots].float().transpose(1, 2), mask, spec).squeeze(2)
+        for name, got in (("plain", plain), ("fused", out)):
+            err = (got.float() - ref).abs().max().item()
+            assert err < 3e-2, f"{name} {spec}: {err}"
 
 
 def test_dense_prefill_attention_bf16_matches_varlen():

@@ -12,7 +12,8 @@ from triton.compiler import ASTSource  # noqa: E402
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KNew": "*bf16", "VNew": "*bf16",
             "Tables": "*i32", "Lens": "*i32", "Slots": "*i64", "SlotMap": "*i64",
             "Out": "*fp32", "Lse": "*fp32", "Cos": "*fp32", "Sin": "*fp32"}
-SCALARS = {"sm_scale": "fp32", "max_len": "i32", "table_len": "i32"}
+SCALARS = {"sm_scale": "fp32", "max_len": "i32", "table_len": "i32", "softcap": "fp32",
+           "window": "i32"}
 
 
 def _compile(fn, constexprs: dict):
@@ -50,7 +51,11 @@ def test_paged_decode_kernel_compiles_for_hopper(pdl, new_token):
     assert ("prefetch.global.L2" in ptx) == pdl
 
 
-def test_static_decode_kernel_compiles_for_hopper():
+@pytest.mark.parametrize("spec", [False, True])
+def test_static_decode_kernel_compiles_for_hopper(spec):
+    """spec: Gemma's soft-cap and sliding window on (their branches, head_dim 256's tile)."""
     from hybridengine.kernels import decode_attention
-    k = _compile(decode_attention._split_kernel, dict(COMMON, NEW_TOKEN=True, PDL=True))
+    shape = dict(HEAD_DIM=256, BLOCK_N=32) if spec else {}
+    k = _compile(decode_attention._split_kernel,
+                 dict(COMMON, NEW_TOKEN=True, PDL=True, SOFTCAP=spec, WINDOW=spec, **shape))
     assert "griddepcontrol.wait" in k.asm["ptx"] and "prefetch.global.L2" in k.asm["ptx"]

@@ -5,7 +5,11 @@
 
 q [B, h_q, d] holds one query token per row; row b attends to the first seqlens[b] tokens of
 cache slot slots[b] of the per-layer cache [num_slots + 1, max_model_len, h_kv, d]
-(rollout/kv_cache.py). Softmax scale 1/sqrt(d); query head h reads K/V head h // (h_q / h_kv).
+(rollout/kv_cache.py). Softmax scale 1/sqrt(d) unless given; query head h reads K/V head
+h // (h_q / h_kv). A layer's AttentionSpec (models.features: Gemma's query scale, logit
+soft-cap, sliding window) enters as scale / softcap / window (0: none): the cap bends each
+score (cap·tanh(s/cap), in fp32) and a window starts each row's key loop at its first visible
+key, so windowed layers read only the window.
 The _rope form is the whole attention of a decode step in one launch: it takes q and the new
 K/V straight from the qkv projection, applies RoPE to q and k_new, writes k_new / v_new at the
 slot's position and counts that token from registers while it reads the cached prefix (on an
@@ -95,13 +99,22 @@ if triton is not None:
         return q, k_new.to(K.dtype.element_ty), tl.load(v_ptr + dd).to(V.dtype.element_ty)
 
     @triton.jit
+    def capped(s, softcap, SOFTCAP: tl.constexpr):
+        """cap·tanh(s/cap) (tanh as 2·sigmoid(2x) − 1), or s."""
+        if SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        return s
+
+    @triton.jit
     def _split_kernel(Q, K, V, Slots, Lens, Out, Lse, KNew, VNew, Cos, Sin, sm_scale, max_len,
+                      softcap, window,
                       stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
                       stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sb,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       NEW_TOKEN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH_KEYS: tl.constexpr):
+                      PREFETCH_KEYS: tl.constexpr, SOFTCAP: tl.constexpr,
+                      WINDOW: tl.constexpr):
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
@@ -121,6 +134,8 @@ if triton is not None:
         end = seqlen - 1 if NEW_TOKEN else seqlen
         start = s * SPLIT_LEN
         stop = tl.minimum(start + SPLIT_LEN, end)
+        if WINDOW:      # the query sits at seqlen - 1 and sees keys after seqlen - 1 - window
+            start = tl.maximum(start, seqlen - window)
         if PDL:
             # Launched programmatically: this program may run while the kernel before it (the
             # qkv projection, or a kernel of its epilogue) drains. Only state written before
@@ -152,7 +167,8 @@ if triton is not None:
                 at = (seqlen - 1).to(tl.int64) * stride_kt
                 tl.store(k_row + at + dd, k_new)
                 tl.store(v_row + at + dd, v_new)
-                m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * sm_scale
+                m_i = capped(tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+                             * sm_scale, softcap, SOFTCAP)
                 l_i = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
         for n0 in range(start, stop, BLOCK_N):
@@ -161,6 +177,7 @@ if triton is not None:
             kv_off = pos[:, None].to(tl.int64) * stride_kt + dd[None, :]
             k = tl.load(k_row + kv_off, mask=p_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * sm_scale
+            qk = capped(qk, softcap, SOFTCAP)
             qk = tl.where(p_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)            # m_new is finite: every tile has a valid key
@@ -246,13 +263,15 @@ def _new_token_args(new, B: int, hkv: int, d: int) -> tuple[tuple, tuple]:
 
 def _launch(q, k_cache, v_cache, slots, lens, new=None, *, block_n: int, num_warps: int,
             num_stages: int, pdl: bool = False,
-            prefetch_keys: int = _DEFAULT.decode_prefetch_keys) -> torch.Tensor:
+            prefetch_keys: int = _DEFAULT.decode_prefetch_keys, scale: float = 0.0,
+            softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """The split kernel (+ merge) over the cache; new = (k_new, v_new, cos, sin) fuses RoPE,
     the cache write and the new token (see decode_attention_rope). Inputs of any strides are
     taken (those of size-1 dimensions ignored); q and the new tensors are copied only if
     strided along d. Every choice here reads shapes and strides, never device data: nothing
     synchronises, and the same launch is captured in a CUDA graph. block_n, num_warps,
-    num_stages, pdl, prefetch_keys: kernels.settings.RolloutKernelSettings's decode_* and pdl."""
+    num_stages, pdl, prefetch_keys: kernels.settings.RolloutKernelSettings's decode_* and pdl.
+    scale, softcap, window: a layer's AttentionSpec (0: the default scale, no cap, no window)."""
     B, hq, d = q.shape
     hkv, max_len = k_cache.shape[2], k_cache.shape[1]
     if not supports(hq, hkv, d):
@@ -266,6 +285,9 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None, *, block_n: int, num_war
         raise ValueError("triton decode attention needs K and V caches of one shape and layout "
                          "with a contiguous last dimension")
     group, fused = hq // hkv, new is not None
+    # K and V tiles of block_n keys, num_stages deep, must fit in shared memory: at head_dim
+    # 256 (Gemma 2) the tiles of the default 64 keys would take ~192 KB
+    block_n = min(block_n, max(16, block_n * 128 // d))
     q = _unit_last(q)             # rows and heads may be strided (q a view of the fused qkv)
     # the fused form on Hopper+, whose slot positions are the runner's state from earlier
     # steps; not in the interpreter, nor for the plain form, whose lengths come from the step
@@ -283,13 +305,15 @@ def _launch(q, k_cache, v_cache, slots, lens, new=None, *, block_n: int, num_war
         new, new_strides = (q, q, q, q), (0,) * 6               # unused
     _split_kernel[(B, hkv, splits)](
         q, k_cache, v_cache, slots, lens, out, lse, *new,
-        1.0 / math.sqrt(d), max_len, stride_or_zero(q, 0), stride_or_zero(q, 1),
+        scale or 1.0 / math.sqrt(d), max_len, float(softcap), int(window),
+        stride_or_zero(q, 0), stride_or_zero(q, 1),
         *cache_strides, *new_strides,
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_N=block_n, SPLIT_LEN=length, NUM_SPLITS=splits, NEW_TOKEN=fused,
         # fp32 caches get fp32 products (Triton's default for fp32 would be TF32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        PREFETCH_KEYS=prefetch_keys, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_KEYS=prefetch_keys, SOFTCAP=softcap > 0, WINDOW=window > 0,
+        num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}))
     if splits > 1:
         _merge_kernel[(B * hq,)](out, lse, result, NUM_SPLITS=splits,
@@ -304,11 +328,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, seqlens: torch.Tensor,
                      block_n: int = _DEFAULT.decode_block_n,
                      num_warps: int = _DEFAULT.decode_num_warps,
-                     num_stages: int = _DEFAULT.decode_num_stages) -> torch.Tensor:
+                     num_stages: int = _DEFAULT.decode_num_stages, scale: float = 0.0,
+                     softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """Attention of q [B, h_q, d] over the first seqlens[b] >= 1 (int32) cached tokens of
     slots[b] (the caller has written this step's K/V); see the module doc."""
     return _launch(q, k_cache, v_cache, slots, seqlens, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages)
+                   num_stages=num_stages, scale=scale, softcap=softcap, window=window)
 
 
 @decode_attention.register_fake
@@ -326,7 +351,9 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
                           num_warps: int = _DEFAULT.decode_num_warps,
                           num_stages: int = _DEFAULT.decode_num_stages,
                           pdl: bool = _DEFAULT.pdl,
-                          prefetch_keys: int = _DEFAULT.decode_prefetch_keys) -> torch.Tensor:
+                          prefetch_keys: int = _DEFAULT.decode_prefetch_keys,
+                          scale: float = 0.0, softcap: float = 0.0,
+                          window: int = 0) -> torch.Tensor:
     """One decode step's attention from the unrotated q [B, h_q, d], k_new / v_new [B, h_kv, d]
     (views of the fused qkv projection; any strides, each tensor its own) and the fp32 RoPE
     tables cos, signed sin [B, d]: q and k_new rotated, k_new / v_new written to the cache of
@@ -337,7 +364,7 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     (Hopper+), with prefetch_keys cached keys asked into L2 before the wait."""
     return _launch(q, k_cache, v_cache, slots, slot_positions, (k_new, v_new, cos, sin),
                    block_n=block_n, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                   prefetch_keys=prefetch_keys)
+                   prefetch_keys=prefetch_keys, scale=scale, softcap=softcap, window=window)
 
 
 @decode_attention_rope.register_fake

@@ -20,7 +20,8 @@ logits). Logits are the GEMM's output dtype (bf16 for bf16 weights, as in the un
 statistics and math are fp32 (fp64 for fp64 inputs). The forward saves log Z and H ([T] each) besides its inputs. The backward recomputes each chunk, turns
 it in place into dL/dlogits, then grad_weight[chunk] = G^T·x, one GEMM over all tokens written
 into its rows (no fp32 [V, H] accumulator, as token chunks would need), and grad_x += G·W[chunk]
-into an fp32 [T, H] accumulator. Cost: 4 GEMMs of 2·T·H·V/tp FLOPs (one is the recompute), one
+into an fp32 [T, H] accumulator. A final soft-cap (Gemma 2) caps each chunk in place after its
+GEMM; the backward keeps the chunk's tanh (one more chunk buffer) for the cap's derivative. Cost: 4 GEMMs of 2·T·H·V/tp FLOPs (one is the recompute), one
 read of each logits chunk forward and one read-write backward, against 3 GEMMs and ~10 fp32
 passes over stored [T, V/tp] logits in the unfused path.
 
@@ -194,7 +195,7 @@ def _accumulate_mm(acc, a, b):
 
 class _FusedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, group, vocab_size, temperature, chunk_cols, ops):
+    def forward(ctx, x, weight, targets, group, vocab_size, temperature, chunk_cols, ops, cap):
         v_offset = group_rank(group) * weight.shape[0]
         chunks = _chunks(weight.shape[0], v_offset, vocab_size, x.shape[0], chunk_cols)
         stat = torch.promote_types(x.dtype, torch.float32)
@@ -204,10 +205,13 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         for start, stop, n_valid in chunks:
             if n_valid:
                 logits = _logits(x, weight[start:stop], buf)                # [T, cols]
+                if cap is not None:
+                    logits.div_(cap).tanh_().mul_(cap)
                 ops.stats_update(logits, targets, v_offset + start, n_valid, temperature, state)
         logp, ent, log_z = _finish(state, group)
         ctx.save_for_backward(x, weight, targets, log_z, ent)
         ctx.chunks, ctx.v_offset, ctx.temperature, ctx.ops = chunks, v_offset, temperature, ops
+        ctx.cap = cap
         return logp, ent
 
     @staticmethod
@@ -218,20 +222,29 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = torch.zeros(x.shape, dtype=log_z.dtype, device=x.device) if need_x else None
         grad_w = torch.empty_like(weight) if need_w else None
-        buf = x.new_empty(x.shape[0] * max(b - a for a, b, _ in ctx.chunks))
+        width = x.shape[0] * max(b - a for a, b, _ in ctx.chunks)
+        buf = x.new_empty(width)
+        tanh_buf = x.new_empty(width) if ctx.cap is not None else None
         for start, stop, n_valid in ctx.chunks:
             if not n_valid:            # all padding: no logit, no gradient
                 if need_w:
                     grad_w[start:stop].zero_()
                 continue
             w_c = weight[start:stop]
-            g = ctx.ops.grad(_logits(x, w_c, buf), targets, ctx.v_offset + start, n_valid,
+            logits = _logits(x, w_c, buf)
+            if ctx.cap is not None:     # capped = cap·tanh(raw/cap); d capped/d raw = 1 − tanh²
+                t = tanh_buf[: logits.numel()].view_as(logits)
+                torch.div(logits, ctx.cap, out=t).tanh_()
+                torch.mul(t, ctx.cap, out=logits)
+            g = ctx.ops.grad(logits, targets, ctx.v_offset + start, n_valid,
                              ctx.temperature, log_z, ent, g_logp, g_ent)    # [T, cols]
+            if ctx.cap is not None:
+                g.mul_(t.square_().neg_().add_(1))
             if need_w:
                 torch.mm(g.t(), x, out=grad_w[start:stop])
             if need_x:
                 _accumulate_mm(grad_x, g, w_c)
-        return (grad_x.to(x.dtype) if need_x else None, grad_w, *([None] * 6))
+        return (grad_x.to(x.dtype) if need_x else None, grad_w, *([None] * 7))
 
 
 def _logits(x, w_c, buf):
@@ -240,7 +253,8 @@ def _logits(x, w_c, buf):
     return torch.mm(x, w_c.t(), out=out)
 
 
-def _check(hidden, weight, targets, tp, vocab_size, temperature, sequence_parallel, impl):
+def _check(hidden, weight, targets, tp, vocab_size, temperature, sequence_parallel, impl,
+           softcap):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be "
                          "[T, H] and [V/tp, H]")
@@ -255,6 +269,8 @@ def _check(hidden, weight, targets, tp, vocab_size, temperature, sequence_parall
                          "(padded rows x tp)")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be > 0 (or None)")
     if impl not in (None, "cuda", "torch"):
         raise ValueError(f"impl={impl!r} must be None, 'cuda' or 'torch'")
 
@@ -263,10 +279,12 @@ def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                  targets: torch.Tensor, tp_group=None,
                                  vocab_size: int | None = None, temperature: float = 1.0,
                                  sequence_parallel: bool = False, chunk_cols: int | None = None,
-                                 impl: str | None = None, rows: torch.Tensor | None = None):
+                                 impl: str | None = None, rows: torch.Tensor | None = None,
+                                 softcap: float | None = None):
     """Log-prob of `targets` and entropy of softmax(hidden·weight^T / temperature), per token.
     rows: the (gathered) token positions wanted; the others' outputs are 0 and their head GEMMs
-    never run (RL scores response tokens only).
+    never run (RL scores response tokens only). softcap: the logits are cap·tanh(logits/cap)
+    first (Gemma 2's final soft-cap), in the logits' dtype as the unfused head computes it.
 
     hidden: [T, H], or this rank's [T/tp, H] block with sequence_parallel (all-gathered here;
     backward reduce-scatters), else replicated over TP (backward all-reduces). weight: this rank's
@@ -276,7 +294,7 @@ def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     tp = group_size(tp_group)
     sp = sequence_parallel and tp > 1
     vocab_size = weight.shape[0] * tp if vocab_size is None else vocab_size
-    _check(hidden, weight, targets, tp, vocab_size, temperature, sp, impl)
+    _check(hidden, weight, targets, tp, vocab_size, temperature, sp, impl, softcap)
     if chunk_cols is not None and chunk_cols < 1:
         raise ValueError(f"chunk_cols={chunk_cols} must be >= 1")
     x = (gather_from_sp(hidden, tp_group) if sp else copy_to_tp(hidden, tp_group)).contiguous()
@@ -289,7 +307,8 @@ def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor,
         x, targets = x.index_select(0, rows), targets.index_select(0, rows)
     lp, ent = _FusedLinearLogprobEntropy.apply(x, weight, targets, tp_group, vocab_size,
                                                float(temperature), chunk_cols,
-                                               _chunk_ops(x, impl))
+                                               _chunk_ops(x, impl),
+                                               None if softcap is None else float(softcap))
     if rows is None:
         return lp, ent
     zeros = lp.new_zeros(num_tokens)

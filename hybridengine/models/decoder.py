@@ -36,7 +36,6 @@ from hybridengine.models.attention import PackedCausalAttention, PackedInput, Ro
     apply_rope
 from hybridengine.models.features import AttentionSpec, GemmaRMSNorm, activation, softcap
 from hybridengine.models.moe import MoEMLP
-from hybridengine.parallel.vocab import vocab_parallel_logprob_entropy
 from hybridengine.parallel.tensor import ColumnParallelLinear, RowParallelLinear, \
     VocabParallelEmbedding, copy_to_tp, gather_from_sp, gather_from_sp_copy, group_size, \
     all_gather_dim0
@@ -192,15 +191,15 @@ class Attention(nn.Module):
         if self.qk_norm:
             # before RoPE (Qwen3), so the fused decode kernel below still only rotates
             qk = torch.cat([self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])], dim=1)
-        if self.spec is None and getattr(ctx, "applies_rope", False):
+        # a windowed / capped / rescaled layer names its spec (models.features)
+        kw = {} if self.spec is None else {"spec": self.spec}
+        if getattr(ctx, "applies_rope", False):
             # the context rotates q and k inside its own kernel (the rollout's decode step:
             # RoPE, the K/V-cache write and attention in one launch)
-            o = ctx.attend_rope(self.layer_idx, qk[:, :hq], qk[:, hq:], v, cos, sin)
+            o = ctx.attend_rope(self.layer_idx, qk[:, :hq], qk[:, hq:], v, cos, sin, **kw)
         else:
             # q and k rotated together: one set of RoPE kernels per layer instead of two
             qk = apply_rope(qk, cos, sin)                                 # [T, hq + hkv, d]
-            # a windowed / capped / rescaled layer names its spec (models.features)
-            kw = {} if self.spec is None else {"spec": self.spec}
             o = ctx.attend(self.layer_idx, qk[:, :hq], qk[:, hq:], v, **kw)  # [T, h_q, d]
         return self.o_proj(o.reshape(o.shape[0], hq * d))
 
@@ -348,16 +347,11 @@ class Decoder(nn.Module):
     def logprob_entropy(self, hidden, targets, temperature: float = 1.0, rows=None):
         """Per-token log p(targets) and entropy [T], without gathering the vocabulary; the head
         GEMM is fused in chunks of the vocabulary, so the [T, V] logits never exist in full.
-        rows: the only positions computed (others 0). With a final soft-cap (Gemma 2) the
-        fused kernels do not apply: this rank's [T, V/tp] logits exist, capped, and
-        parallel/vocab.py's function reads them (every position)."""
-        if self.cfg.final_softcap is not None:
-            return vocab_parallel_logprob_entropy(self.logits_local(hidden), targets,
-                                                  self.tp_group, self.cfg.vocab_size,
-                                                  temperature)
+        rows: the only positions computed (others 0). A final soft-cap (Gemma 2) is applied to
+        each chunk of logits in turn."""
         return fused_linear_logprob_entropy(hidden, self.head_weight, targets, self.tp_group,
                                             self.cfg.vocab_size, temperature, self.sp,
-                                            rows=rows)
+                                            rows=rows, softcap=self.cfg.final_softcap)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """Scalar value per token [T] (critic)."""

@@ -26,10 +26,10 @@ row's cached prefix, by one of four backends:
   sdpa   the rows' cache gathered to [B, h_kv, L, d] and a length mask; q grouped as
          [B, h_kv, h_q/h_kv, d] so that no K/V head is repeated. The CPU path; a CUDA fallback.
 A layer with an AttentionSpec (models.features: sliding window, logit soft-cap, query scale)
-takes, under every backend, the sdpa form with a mask that also hides keys older than the
-window (and the soft-cap in torch): none of the kernels above applies these, so such layers
-read the gathered cache as sdpa does (the cost of Gemma 2, all of whose layers cap). The
-prefill's spec layers run PackedCausalAttention's spec path (flash varlen with a window on CUDA
+goes through the triton kernels under the triton backend (they take the three as arguments;
+a window limits the keys each row reads), and through the sdpa form with a mask that also hides
+keys older than the window (the soft-cap in torch) under the others, whose kernels apply
+neither cap nor scale. The prefill's spec layers run PackedCausalAttention's spec path (flash varlen with a window on CUDA
 when nothing is capped, else torch per sequence), never the dense form.
 `auto` (on CUDA in fp16/bf16) takes the first of AUTO_ORDER that runs and agrees with SDPA on
 the device (checked once; a mismatch or an error tries the next, with a warning), else sdpa.
@@ -208,12 +208,13 @@ class DecodeContext:
     def attend(self, layer_idx: int, q, k, v, spec: AttentionSpec | None = None) -> torch.Tensor:
         """q [B, h_q, d], k/v [B, h_kv, d] -> [B, h_q, d]."""
         layer = layer_idx - self.layer_start
-        if spec is not None:
+        if spec is not None and self.backend != "triton":
             return self._attend_spec(layer, q, k, v, spec)
         self.cache.write(layer, self.slots, self.write_pos, k, v)
         if self.backend == "triton":
             return triton_decode.decode_attention(q, self.cache.k[layer], self.cache.v[layer],
-                                                  self.slots, self.seqused, **self.launch)
+                                                  self.slots, self.seqused, **self.launch,
+                                                  **_spec_args(spec))
         if self.backend in _FLASH:
             kf, vf = self.cache.flat(layer)
             L = self.cache.max_model_len
@@ -237,13 +238,23 @@ class DecodeContext:
             self._spec_masks[spec.window] = mask                             # [B, 1, 1, L]
         return masked_attention(q.unsqueeze(2), kc, vc, mask, spec).squeeze(2)
 
-    def attend_rope(self, layer_idx: int, q, k, v, cos, sin) -> torch.Tensor:
+    def attend_rope(self, layer_idx: int, q, k, v, cos, sin,
+                    spec: AttentionSpec | None = None) -> torch.Tensor:
         """attend() from the unrotated q, k (fp32 RoPE tables cos, signed sin [B, d]), in one
         kernel (triton backend with slot_positions)."""
         layer = layer_idx - self.layer_start
         return triton_decode.decode_attention_rope(q, k, v, cos, sin, self.cache.k[layer],
                                                    self.cache.v[layer], self.slots,
-                                                   self.slot_positions, **self.rope_launch)
+                                                   self.slot_positions, **self.rope_launch,
+                                                   **_spec_args(spec))
+
+
+def _spec_args(spec: AttentionSpec | None) -> dict:
+    """An AttentionSpec as the triton decode kernels' arguments (0: the default / none)."""
+    if spec is None:
+        return {}
+    return {"scale": spec.scale or 0.0, "softcap": spec.softcap or 0.0,
+            "window": spec.window or 0}
 
 
 def grouped_flash_decode(q, kf, vf, cu_q, cu_k, seqused, max_k) -> torch.Tensor:

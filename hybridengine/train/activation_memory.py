@@ -10,7 +10,10 @@ Eager autograd:
       and gate_up (autograd keeps them; Megatron re-gathers), qkv, rotated q/k and their swap,
       attention output, gate/up, silu(gate), their product, cos/sin in the layer's dtype; + (q +
       kv) with Qwen3's q/k norms (their inputs), + 2H/s with Gemma's two extra norms (their
-      inputs). The CPU kernels save a little more (fp32 copies in the norms).
+      inputs). Gemma's norms (models.features.GemmaRMSNorm, a composite in fp32 on every
+      device) keep the fp32 input and the fp32 x·rstd instead of their input: + 3·(4H/s + q +
+      kv) (the q/k norms: Gemma 3). The CPU kernels save a little more (fp32 copies in torch's
+      rms_norm).
 Compiled (train.engine.compile_decoder_layers, inductor's min-cut partitioner: it keeps what a
 backward matmul reads anyway and recomputes the pointwise ops between):
   a_compiled = 2H/s + 2H + (q + 2kv) + (q + kv) + q + 3I + 2d: the layer input, o_proj's output
@@ -22,8 +25,14 @@ Both: + (q − 2kv) where training attention repeats K/V up to the query heads (
 without enable_gqa, torch 2.11: models.attention.REPEATS_KV_IN_TRAINING): the repeated k and v,
 q each, are saved instead of qkv; compiled with q/k norms + 2q (qkv stays, for the norms'
 recomputation). Not counted: fp32 statistics (a norm's rstd, the logsumexp:
-4/b per norm and head, < 0.3% of `a` at Qwen2.5-0.5B); the soft-capped attention's per-sequence
-[h, n, n] scores (Gemma 2's torch path).
+4/b per norm and head, < 0.3% of `a` at Qwen2.5-0.5B).
+Soft-capped attention (Gemma 2; no flash kernel caps scores, models.attention runs it in torch
+per sequence): each sequence of n tokens also saves its [h, n, n] capped scores (tanh's output,
+in the layer's dtype), the fp32 softmax and the probabilities in the layer's dtype (the softmax
+itself in fp32), and an [n, n] bool mask: n·(h·(2b + 4) + 1) bytes per token and layer in bf16,
+n·(8h + 1) in fp32 (capped_attention_bytes; measured exactly on the CPU, where the path is the
+same, tests/test_activation_memory.py). A micro-batch of sequences of at most n_max tokens
+holds at most T·n_max of those per head.
 
 Measured (tests/test_activation_memory.py, CPU inductor, bf16) within 0.5% at Qwen2 / Qwen3 / Gemma 3 /
 Llama shapes. The partitioner's choices depend on the joint graph and on torch._functorch.config,
@@ -49,6 +58,18 @@ def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool, compiled: boo
         sandwich = 2 * h / s if cfg.gemma else 0        # the inputs of Gemma's two extra norms
         a = 2 * h / s + 2 * h + (q + 2 * kv) + 2 * (q + kv) + q + 4 * i + 2 * d + qk_norm + \
             sandwich
+        if cfg.gemma:       # each GemmaRMSNorm keeps fp32 x and x·rstd: 4 units, not 1
+            a += 3 * (4 * h / s + qk_norm)
     if repeats_kv and kv < q:
         a += 2 * q if compiled and cfg.qk_norm else q - 2 * kv
     return a
+
+
+def capped_attention_bytes(cfg: ModelConfig, tp: int, max_seqlen: int, dtype_bytes: int) -> int:
+    """Bytes per token and layer that soft-capped attention saves beside `a` (module docstring)
+    for sequences of up to max_seqlen tokens; 0 without a soft-cap."""
+    if cfg.attn_softcap is None or max_seqlen <= 0:
+        return 0
+    b = dtype_bytes
+    per_score = b + 4 + (b if b != 4 else 0)     # fp32 probabilities are the softmax's own
+    return max_seqlen * (cfg.num_heads // tp * per_score + 1)

@@ -18,11 +18,13 @@ Estimates (T tokens of a micro-batch, b param bytes, t = tp, s = t with sequence
 else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_dim):
   a elements saved per layer and token (train.activation_memory): the eager formula, or the
       compiled one where the role's training compiles its decoder layers (RoleSpec.compiled)
-  training activations, stage r of p: (p - r) micro-batches in flight (1F1B) x layers·T·a·b;
+  training activations, stage r of p: (p - r) micro-batches in flight (1F1B) x layers·T·a·b
+      (with a soft-cap, a adds the capped attention's scores of sequences of max_seqlen);
       with recomputation layers·T·(H/s)·b (layer inputs) + one rebuilt layer T·a·b
   forward-only activations: one layer's working set T·(a + 2H/s)·b
   logits (last stage, LM head): a vocabulary chunk of kernels/logprob.py (T x cols <= 2^28) and
       the gathered [T, H] hidden; training adds fp32 grad_x [T, H] and the head's [V/t, H] grad
+      (and, with a final soft-cap, the chunk's tanh)
   rollout: prefill T·max(2H + 4I, 2H + 2(q + 2kv) + q)·b at t_g (T = max_prefill_tokens),
       sampling max_num_seqs x V logits (b + 3 fp32 copies), the slot state
   context parallelism (c = cp): a rank runs T/c of a micro-batch's tokens (the padding of each
@@ -56,7 +58,8 @@ from hybridengine.models.moe import is_expert_param
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.tensor import padded_vocab_size
 from hybridengine.rollout.kv_cache import DEVICE_RESERVE, plan_num_slots
-from hybridengine.train.activation_memory import layer_activation_elements
+from hybridengine.train.activation_memory import capped_attention_bytes, \
+    layer_activation_elements
 from hybridengine.train.engine import PARTS
 from hybridengine.train.stage_shapes import grad_buckets, lora_numels, stage_params
 
@@ -88,6 +91,8 @@ class RoleSpec:
     repeats_kv: bool = False                # training attention repeats K/V (GQA, torch 2.11)
     train_tokens: int = 16384
     forward_tokens: int | None = None
+    max_seqlen: int = 0                     # a sequence's longest (prompt + response): what
+                                            # soft-capped attention's [n, n] scores scale with
     lora_rank: int = 0                      # > 0: the optimizer holds these adapters only
     lora_targets: tuple[str, ...] = ()      # HF module names (models.lora.resolve_targets)
 
@@ -204,6 +209,7 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
     if lay.cp > 1 and lay.cp_attention == "allgather":
         gathered = 2 * cfg.num_kv_heads // lay.tp * cfg.head_dim * (lay.cp - 1)
         a, a_fwd = a + gathered, a_fwd + gathered
+    a += capped_attention_bytes(cfg, lay.tp, spec.max_seqlen, b) / b
     act = (lay.pp - pp_rank) * layers * T * (h / s if spec.recompute else a) * b \
         + (T * a * b if spec.recompute else 0)
     act = max(act, step_shards)
@@ -211,9 +217,14 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
     if pp_rank == lay.pp - 1 and not spec.value_head:
         v = padded_vocab_size(cfg.vocab_size, lay.tp) // lay.tp
 
-        def chunk(t):           # the kernel's own column chunks, and the gathered hidden
-            return t * max(e - a for a, e, _ in _chunks(v, 0, v, t, None)) * b + t * h * b
-        logits, fwd_logits = chunk(T) + T * h * 4 + v * h * b, chunk(Tf)
+        def cols(t):            # the kernel's own column chunks
+            return max(e - a for a, e, _ in _chunks(v, 0, v, t, None))
+
+        def chunk(t):           # a chunk of logits and the gathered hidden
+            return t * cols(t) * b + t * h * b
+        # a final soft-cap's backward keeps the chunk's tanh beside it
+        capped = T * cols(T) * b if cfg.final_softcap is not None else 0
+        logits, fwd_logits = chunk(T) + T * h * 4 + v * h * b + capped, chunk(Tf)
     return RoleMemory(sum(numels) * b, grads, master, 2 * master, int(act), logits,
                       int(Tf * (a_fwd + 2 * h / s) * b), fwd_logits, host_state)
 
