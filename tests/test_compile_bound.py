@@ -159,6 +159,20 @@ def test_training_layers_compile_once_per_grad_mode(one_thread):
     assert _training_graphs(STORIES, "cpu", "aot_eager") == 2
 
 
+def test_gemma2_layers_compile_once_per_grad_mode_and_layer_kind(one_thread):
+    """Gemma 2's capped attention is a custom op (models.spec_attention) the compiled layer
+    traces through: no graph per packing nor per layer index (its earlier per-sequence torch
+    loop broke the graph there: 23 graphs for 2 such layers over these micro-batches, hitting
+    dynamo's recompile limit), one per grad mode and layer kind (sliding, full)."""
+    from hybridengine.models.decoder import ModelConfig
+    cfg = ModelConfig(vocab_size=512, num_layers=4, tie_word_embeddings=True, hidden_size=64,
+                      intermediate_size=128, num_heads=4, num_kv_heads=1, head_dim=16,
+                      model_type="gemma2", hidden_act="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=16, attn_softcap=50.0, final_softcap=30.0,
+                      sliding_window=8, layer_types=("sliding_attention", "full_attention") * 2)
+    assert _training_graphs(cfg, "cpu", "aot_eager") == 4
+
+
 @pytest.mark.gpu
 def test_training_layers_compile_once_per_grad_mode_on_cuda():
     """The same with the engine's own setup on CUDA (inductor, bf16, flash varlen attention)."""

@@ -257,3 +257,55 @@ def test_fused_triton_decode_beside_windowed_layers_in_the_interpreter(family_in
     beside tests/test_model_families.py's.)"""
     from test_rollout import assert_printed_ok
     assert_printed_ok(family_interpreter_checks["test_model_families_gemma"])
+
+
+def _one_sequence_at_a_time(q, k, v, bounds, spec):
+    """The reference: masked_attention on each packed sequence alone (autograd through it)."""
+    from hybridengine.models.features import masked_attention, window_mask
+    out = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        pos = torch.arange(e - s)
+        mask = window_mask(pos[:, None], pos[None, :], spec.window)[None, None]
+        out.append(masked_attention(qs, ks, vs, mask, spec).squeeze(0).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("spec", [
+    dict(softcap=2.0, scale=0.2), dict(softcap=2.0, window=5), dict(window=3, scale=0.3)])
+def test_spec_attention_op_equals_one_sequence_at_a_time(spec):
+    """models.spec_attention (sequences padded into groups by length; budgets that force several
+    groups, a sequence of its own; an empty sequence) against masked attention on each sequence
+    alone: values, and gradients of q, k, v from its recomputing backward against autograd's
+    through the reference; GQA 6 / 2 heads, fp64 (the capped form's softmax is fp32, as HF's:
+    1e-6 there). Then the op under torch.compile (aot_eager): the same, with no graph break."""
+    from hybridengine.models.features import AttentionSpec
+    from hybridengine.models.spec_attention import grouped_attention, \
+        grouped_attention_backward, spec_attention
+    g = torch.Generator().manual_seed(0)
+    lens = [7, 1, 0, 12, 3, 9, 30, 5]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    q = torch.randn(bounds[-1], 6, 8, generator=g, dtype=torch.float64) * 2
+    k, v = (torch.randn(bounds[-1], 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    s = AttentionSpec(**spec)
+    tol = 1e-6 if s.softcap else 1e-12
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _one_sequence_at_a_time(*leaves, bounds, s)
+    ref_grads = torch.autograd.grad(ref, leaves, grad)
+    for budget in (1 << 20, 6 * 12 ** 2 * 2):      # one group but the longest; groups of <= 2
+        out = grouped_attention(q, k, v, bounds, s, max_elements=budget)
+        assert (out - ref).abs().max() < tol, budget
+        for a, b in zip(grouped_attention_backward(grad, q, k, v, bounds, s, budget), ref_grads):
+            assert (a - b).abs().max() < tol, budget
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    torch._dynamo.reset()
+    for fn in (spec_attention, torch.compile(spec_attention, backend="aot_eager",
+                                             fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu, s)
+        assert (out - ref).abs().max() < tol
+        for a, b in zip(torch.autograd.grad(out, leaves, grad), ref_grads):
+            assert (a - b).abs().max() < tol

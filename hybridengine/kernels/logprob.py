@@ -21,9 +21,10 @@ statistics and math are fp32 (fp64 for fp64 inputs). The forward saves log Z and
 it in place into dL/dlogits, then grad_weight[chunk] = G^T·x, one GEMM over all tokens written
 into its rows (no fp32 [V, H] accumulator, as token chunks would need), and grad_x += G·W[chunk]
 into an fp32 [T, H] accumulator. A final soft-cap (Gemma 2) caps each chunk in place after its
-GEMM; the backward keeps the chunk's tanh (one more chunk buffer) for the cap's derivative. Cost: 4 GEMMs of 2·T·H·V/tp FLOPs (one is the recompute), one
-read of each logits chunk forward and one read-write backward, against 3 GEMMs and ~10 fp32
-passes over stored [T, V/tp] logits in the unfused path.
+GEMM; the backward keeps the chunk's tanh (one more chunk buffer) for the cap's derivative.
+Cost: 4 GEMMs of 2·T·H·V/tp FLOPs (one is the recompute), one read of each logits chunk forward
+and one read-write backward, against 3 GEMMs and ~10 fp32 passes over stored [T, V/tp] logits
+in the unfused path.
 
 The two per-chunk ops have two implementations, picked by `impl`:
     "cuda"   csrc/logprob_kernels.cu, JIT-built on first use (fp32 / fp16 / bf16 logits on CUDA)

@@ -9,7 +9,8 @@ decides how (packed training attention here; the rollout engine supplies a KV-ca
 On CUDA, packed attention is torch's varlen flash kernel: no T×T mask ever exists. On CPU it runs
 a causal SDPA per sequence. A layer with an AttentionSpec (models.features: sliding window, logit
 soft-cap, query scale) passes it as `spec=`: flash varlen takes a window and a scale; a soft-cap
-(which no kernel here applies) runs per sequence in torch, with the scores of a sequence in full.
+(which no kernel here applies), and every spec layer on the CPU, goes through
+models.spec_attention (torch, sequences in padded groups, its own recomputing backward).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridengine.models.features import AttentionSpec, per_sequence_spec_attention
+from hybridengine.models.features import AttentionSpec
+from hybridengine.models.spec_attention import spec_attention
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -185,9 +187,7 @@ class PackedCausalAttention:
         if spec is not None:
             if flash and spec.softcap is None:
                 return self._varlen(q, k, v, spec)
-            if self._bounds is None:
-                self._bounds = self.cu.tolist()
-            return per_sequence_spec_attention(q, k, v, self._bounds, spec)
+            return spec_attention(q, k, v, self.cu, spec)
         if flash:
             return self._varlen(q, k, v)
         return self._per_sequence(q, k, v)

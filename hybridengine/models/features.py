@@ -60,19 +60,6 @@ def masked_attention(q, k, v, mask, spec: AttentionSpec) -> torch.Tensor:
     return (probs @ v.unsqueeze(2)).view(B, hq, n, d)
 
 
-def per_sequence_spec_attention(q, k, v, bounds: list[int], spec: AttentionSpec):
-    """Causal attention under `spec` inside each packed sequence [bounds[i], bounds[i + 1]) of
-    q [T, h_q, d], k/v [T, h_kv, d] -> [T, h_q, d] (packed position ids restart at 0 for each
-    sequence, so the window counts from the sequence's own first token)."""
-    out = torch.empty_like(q)
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        pos = torch.arange(e - s, device=q.device)
-        mask = window_mask(pos[:, None], pos[None, :], spec.window)[None, None]
-        out[s:e] = masked_attention(qs, ks, vs, mask, spec).squeeze(0).transpose(0, 1)
-    return out
-
-
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """tanh(x / cap)·cap in x's dtype (HF's final_logit_softcapping order); cap None: x."""
     return x if cap is None else torch.tanh(x / cap) * cap

@@ -94,7 +94,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
                              a.ppo_micro_batch_size_per_gpu, seq),
         forward_tokens=_tokens(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu,
                                r.log_prob_micro_batch_size_per_gpu, seq),
-        lora_rank=lora[0], lora_targets=lora[1], max_seqlen=seq, **_compiled(a, device))}
+        lora_rank=lora[0], lora_targets=lora[1], **_compiled(a, device))}
     if uses_reference(cfg) and not lora[0]:     # with LoRA the reference is the actor's base
         f = arr.ref
         roles["ref"] = RoleSpec(
@@ -114,7 +114,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
                                  c.ppo_micro_batch_size_per_gpu, seq),
             forward_tokens=_tokens(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
                                    c.forward_micro_batch_size_per_gpu, seq),
-            max_seqlen=seq, **_lora_spec(c.model), **_compiled(c, device))
+            **_lora_spec(c.model), **_compiled(c, device))
     rollout = RolloutSpec(seq, layout.rollout.tp, param_dtype(r.dtype, device), r.max_num_seqs,
                           None, r.gpu_memory_utilization, max_prefill_tokens(seq),
                           cfg.trainer.hybrid_engine.reshard_bucket_mb)

@@ -26,13 +26,11 @@ without enable_gqa, torch 2.11: models.attention.REPEATS_KV_IN_TRAINING): the re
 q each, are saved instead of qkv; compiled with q/k norms + 2q (qkv stays, for the norms'
 recomputation). Not counted: fp32 statistics (a norm's rstd, the logsumexp:
 4/b per norm and head, < 0.3% of `a` at Qwen2.5-0.5B).
-Soft-capped attention (Gemma 2; no flash kernel caps scores, models.attention runs it in torch
-per sequence): each sequence of n tokens also saves its [h, n, n] capped scores (tanh's output,
-in the layer's dtype), the fp32 softmax and the probabilities in the layer's dtype (the softmax
-itself in fp32), and an [n, n] bool mask: n·(h·(2b + 4) + 1) bytes per token and layer in bf16,
-n·(8h + 1) in fp32 (capped_attention_bytes; measured exactly on the CPU, where the path is the
-same, tests/test_activation_memory.py). A micro-batch of sequences of at most n_max tokens
-holds at most T·n_max of those per head.
+Soft-capped attention (Gemma 2; no flash kernel caps scores): models.spec_attention's op keeps
+q, k and v, as flash does (its backward recomputes the scores; nothing of size n² per sequence
+is kept, tests/test_activation_memory.py), and holds one group of at most GROUP_SCORE_ELEMENTS
+scores at a time: a transient of (4 + 3b) bytes a score forward, ~20 backward
+(capped_group_bytes).
 
 Measured (tests/test_activation_memory.py, CPU inductor, bf16) within 0.5% at Qwen2 / Qwen3 / Gemma 3 /
 Llama shapes. The partitioner's choices depend on the joint graph and on torch._functorch.config,
@@ -42,6 +40,7 @@ the same; GPU runs check it through perf/max_memory_allocated_gb/update_actor.
 from __future__ import annotations
 
 from hybridengine.models.decoder import ModelConfig
+from hybridengine.models.spec_attention import GROUP_SCORE_ELEMENTS
 
 
 def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool, compiled: bool = False,
@@ -65,11 +64,9 @@ def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool, compiled: boo
     return a
 
 
-def capped_attention_bytes(cfg: ModelConfig, tp: int, max_seqlen: int, dtype_bytes: int) -> int:
-    """Bytes per token and layer that soft-capped attention saves beside `a` (module docstring)
-    for sequences of up to max_seqlen tokens; 0 without a soft-cap."""
-    if cfg.attn_softcap is None or max_seqlen <= 0:
+def capped_group_bytes(cfg: ModelConfig, dtype_bytes: int, backward: bool = False) -> int:
+    """The transient of one group of soft-capped attention, forward or backward (module
+    docstring); 0 without a soft-cap."""
+    if cfg.attn_softcap is None:
         return 0
-    b = dtype_bytes
-    per_score = b + 4 + (b if b != 4 else 0)     # fp32 probabilities are the softmax's own
-    return max_seqlen * (cfg.num_heads // tp * per_score + 1)
+    return GROUP_SCORE_ELEMENTS * (20 if backward else 4 + 3 * dtype_bytes)

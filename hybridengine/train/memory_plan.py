@@ -19,14 +19,16 @@ else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_
   a elements saved per layer and token (train.activation_memory): the eager formula, or the
       compiled one where the role's training compiles its decoder layers (RoleSpec.compiled)
   training activations, stage r of p: (p - r) micro-batches in flight (1F1B) x layers·T·a·b
-      (with a soft-cap, a adds the capped attention's scores of sequences of max_seqlen);
+      (+ a soft-capped layer's group of scores in the backward, capped_group_bytes);
       with recomputation layers·T·(H/s)·b (layer inputs) + one rebuilt layer T·a·b
-  forward-only activations: one layer's working set T·(a + 2H/s)·b
+  forward-only activations: one layer's working set T·(a + 2H/s)·b (+ a soft-capped layer's
+      group of scores, capped_group_bytes)
   logits (last stage, LM head): a vocabulary chunk of kernels/logprob.py (T x cols <= 2^28) and
       the gathered [T, H] hidden; training adds fp32 grad_x [T, H] and the head's [V/t, H] grad
       (and, with a final soft-cap, the chunk's tanh)
-  rollout: prefill T·max(2H + 4I, 2H + 2(q + 2kv) + q)·b at t_g (T = max_prefill_tokens),
-      sampling max_num_seqs x V logits (b + 3 fp32 copies), the slot state
+  rollout: prefill T·max(2H + 4I, 2H + 2(q + 2kv) + q)·b at t_g (T = max_prefill_tokens; +
+      a soft-capped layer's group of scores), sampling max_num_seqs x V logits (b + 3 fp32
+      copies), the slot state
   context parallelism (c = cp): a rank runs T/c of a micro-batch's tokens (the padding of each
       sequence to a multiple of 2c not counted); all-gather attention also keeps every rank's
       K/V, 2·kv·(T − T/c) more per layer; ZeRO-1 shards over the dp·c replicas
@@ -58,7 +60,7 @@ from hybridengine.models.moe import is_expert_param
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.tensor import padded_vocab_size
 from hybridengine.rollout.kv_cache import DEVICE_RESERVE, plan_num_slots
-from hybridengine.train.activation_memory import capped_attention_bytes, \
+from hybridengine.train.activation_memory import capped_group_bytes, \
     layer_activation_elements
 from hybridengine.train.engine import PARTS
 from hybridengine.train.stage_shapes import grad_buckets, lora_numels, stage_params
@@ -91,8 +93,6 @@ class RoleSpec:
     repeats_kv: bool = False                # training attention repeats K/V (GQA, torch 2.11)
     train_tokens: int = 16384
     forward_tokens: int | None = None
-    max_seqlen: int = 0                     # a sequence's longest (prompt + response): what
-                                            # soft-capped attention's [n, n] scores scale with
     lora_rank: int = 0                      # > 0: the optimizer holds these adapters only
     lora_targets: tuple[str, ...] = ()      # HF module names (models.lora.resolve_targets)
 
@@ -209,10 +209,9 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
     if lay.cp > 1 and lay.cp_attention == "allgather":
         gathered = 2 * cfg.num_kv_heads // lay.tp * cfg.head_dim * (lay.cp - 1)
         a, a_fwd = a + gathered, a_fwd + gathered
-    a += capped_attention_bytes(cfg, lay.tp, spec.max_seqlen, b) / b
     act = (lay.pp - pp_rank) * layers * T * (h / s if spec.recompute else a) * b \
         + (T * a * b if spec.recompute else 0)
-    act = max(act, step_shards)
+    act = max(act + capped_group_bytes(cfg, b, backward=True), step_shards)
     logits = fwd_logits = 0
     if pp_rank == lay.pp - 1 and not spec.value_head:
         v = padded_vocab_size(cfg.vocab_size, lay.tp) // lay.tp
@@ -226,7 +225,8 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
         capped = T * cols(T) * b if cfg.final_softcap is not None else 0
         logits, fwd_logits = chunk(T) + T * h * 4 + v * h * b + capped, chunk(Tf)
     return RoleMemory(sum(numels) * b, grads, master, 2 * master, int(act), logits,
-                      int(Tf * (a_fwd + 2 * h / s) * b), fwd_logits, host_state)
+                      int(Tf * (a_fwd + 2 * h / s) * b + capped_group_bytes(cfg, b)), fwd_logits,
+                      host_state)
 
 
 def reshard_memory(actor: RoleSpec, g: RolloutSpec,
@@ -275,7 +275,8 @@ def rollout_fixed(actor: RoleSpec, g: RolloutSpec) -> tuple[int, int]:
     cfg, b, t = actor.cfg, g.dtype.itemsize, g.gen_tp
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size / t
     q, kv = cfg.num_heads * d / t, cfg.num_kv_heads * d / t
-    prefill = g.max_prefill_tokens * max(2 * h + 4 * i, 2 * h + 2 * (q + 2 * kv) + q) * b
+    prefill = g.max_prefill_tokens * max(2 * h + 4 * i, 2 * h + 2 * (q + 2 * kv) + q) * b + \
+        capped_group_bytes(cfg, b)
     sampling = g.max_num_seqs * padded_vocab_size(cfg.vocab_size, actor.layout.tp) * (b + 12)
     return int(2 * cfg.num_layers * kv * b), int(prefill + sampling)
 
