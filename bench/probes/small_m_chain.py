@@ -9,8 +9,8 @@ Qwen2.5-0.5B shape, 24 layers of their own weights (read from HBM as in the step
 
 - `inductor`: the chain compiled as the decode step is (inductor with PDL for its Triton
   kernels; cuBLAS for the products), 7 kernels a layer or more;
-- `fused*`: 4 Triton kernels a layer (8 with split-K), each a product at small M (rows padded to 16 for the
-  tensor cores) with its neighbours folded in: the RMSNorm into the qkv and gate_up products'
+- `fused*`: 4 Triton kernels a layer (8 with split-K), each a product at small M (rows padded
+  to 16 for the tensor cores) with its neighbours folded in: the RMSNorm into the qkv and gate_up products'
   prologue (each program recomputes the rows' rstd: M x 896 values), SwiGLU into the down
   product's prologue, the residual add into the o_proj and down products' epilogue; launched
   with programmatic dependent launch, each program asking L2 for its weight tile before it
