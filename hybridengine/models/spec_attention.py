@@ -35,9 +35,9 @@ GROUP_SCORE_ELEMENTS = 1 << 25
 
 
 def _groups(bounds: list[int], heads: int, max_elements: int):
-    """[(token index [G, n], valid [G, n], n)]: the non-empty sequences by length, right-padded
-    into groups of at most max_elements scores (one sequence alone when it is larger). Padded
-    entries index their sequence's first token."""
+    """[(starts, lengths, n)]: the non-empty sequences by length, right-padded to the group's
+    longest n, in groups of at most max_elements scores (one sequence alone when it is
+    larger)."""
     lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     groups: list[list[int]] = []
     for i in sorted((i for i in range(len(lens)) if lens[i]), key=lens.__getitem__):
@@ -46,14 +46,16 @@ def _groups(bounds: list[int], heads: int, max_elements: int):
             groups[-1].append(i)
         else:
             groups.append([i])
-    return [(group, max(lens[i] for i in group), lens) for group in groups]
+    return [([bounds[i] for i in g], [lens[i] for i in g], lens[g[-1]]) for g in groups]
 
 
-def _gather(group, n, lens, bounds, device):
+def _gather(starts: list[int], lengths: list[int], n: int, device):
+    """(token index [G, n], valid [G, n], arange(n)): padded entries index their sequence's
+    first token."""
     ar = torch.arange(n, device=device)
-    starts = torch.tensor([bounds[i] for i in group], device=device)[:, None]
-    valid = ar[None, :] < torch.tensor([lens[i] for i in group], device=device)[:, None]
-    return torch.where(valid, starts + ar[None, :], starts), valid, ar          # [G, n] each
+    first = torch.tensor(starts, device=device)[:, None]
+    valid = ar[None, :] < torch.tensor(lengths, device=device)[:, None]
+    return torch.where(valid, first + ar[None, :], first), valid, ar
 
 
 def _mask(ar, valid, window):
@@ -68,8 +70,8 @@ def grouped_attention(q, k, v, bounds: list[int], spec: AttentionSpec,
                       max_elements: int = GROUP_SCORE_ELEMENTS) -> torch.Tensor:
     """The packed sequences' attention (no autograd needed), group by group."""
     out = torch.empty_like(q)
-    for group, n, lens in _groups(bounds, q.shape[1], max_elements):
-        idx, valid, ar = _gather(group, n, lens, bounds, q.device)
+    for starts, lengths, n in _groups(bounds, q.shape[1], max_elements):
+        idx, valid, ar = _gather(starts, lengths, n, q.device)
         qg, kg, vg = (t[idx].transpose(1, 2) for t in (q, k, v))                # [G, h, n, d]
         o = masked_attention(qg, kg, vg, _mask(ar, valid, spec.window), spec)
         out[idx[valid]] = o.transpose(1, 2)[valid]
@@ -83,9 +85,9 @@ def grouped_attention_backward(grad, q, k, v, bounds: list[int], spec: Attention
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     f = torch.promote_types(q.dtype, torch.float32)
     scale = spec.scale if spec.scale is not None else d ** -0.5
-    for group, n, lens in _groups(bounds, hq, max_elements):
-        idx, valid, ar = _gather(group, n, lens, bounds, q.device)
-        G = len(group)
+    for starts, lengths, n in _groups(bounds, hq, max_elements):
+        idx, valid, ar = _gather(starts, lengths, n, q.device)
+        G = len(starts)
         # [G, h_kv, group heads, n, d]; the padded rows' upstream gradient zeroed
         qg = q[idx].to(f).transpose(1, 2).reshape(G, hkv, hq // hkv, n, d)
         kg, vg = (t[idx].to(f).transpose(1, 2).unsqueeze(2) for t in (k, v))
