@@ -427,7 +427,11 @@ for hq, hkv, bs, dtype, tol, sms in ((14, 2, 16, torch.float32, 1e-5, 64),
     cos, sin = rope(pos)
     k_new, v_new = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     kc, vc = k.clone(), v.clone()
-    out = paged_decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, bt, slot_mapping, lens)
+    # the lengths come from the position state by row id (rows in any order)
+    rows = torch.tensor([3, 0, 6, 1, 7])
+    row_positions = torch.full((8,), 10 ** 6, dtype=torch.long).index_copy_(0, rows, pos)
+    out = paged_decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, bt, slot_mapping, rows,
+                                      row_positions, W * bs)
     qk = apply_rope(qkv[:, :hq + hkv].float(), cos.to(dtype).float(), sin.to(dtype).float())
     qk = qk.to(dtype)
     kf, vf = k.view(-1, hkv, d), v.view(-1, hkv, d)

@@ -127,8 +127,9 @@ def test_paged_decode_kernels_bf16_benchmark_shape():
     slot = tables[torch.arange(B, device=CUDA), pos // bs].long() * bs + pos % bs
     cos, sin = RotaryEmbedding(d, 1e6, CUDA)(pos)
     kf, vf = kc.clone(), vc.clone()
+    rows = torch.arange(B, device=CUDA)
     out = paged_decode_attention_rope(q, qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cos, sin, kf,
-                                      vf, tables, slot, lens)
+                                      vf, tables, slot, rows, pos, W * bs)
     qk = apply_rope(qkv[:, :hq + hkv].float(), cos.to(bf).float(), sin.to(bf).float()).to(bf)
     kc.view(-1, hkv, d)[slot], vc.view(-1, hkv, d)[slot] = qk[:, hq:], qkv[:, hq + hkv:]
     # fused multiply-adds may round a few elements the other way

@@ -10,19 +10,19 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KNew": "*bf16", "VNew": "*bf16",
-            "Tables": "*i32", "Lens": "*i32", "Slots": "*i64", "SlotMap": "*i64",
+            "Tables": "*i32", "Lens": "*i32", "Slots": "*i64", "SlotMap": "*i64", "Rows": "*i64",
             "Out": "*fp32", "Lse": "*fp32", "Cos": "*fp32", "Sin": "*fp32"}
-SCALARS = {"sm_scale": "fp32", "max_len": "i32", "table_len": "i32", "softcap": "fp32",
+SCALARS = {"sm_scale": "fp32", "max_len": "i32", "max_k": "i32", "softcap": "fp32",
            "window": "i32"}
 
 
-def _compile(fn, constexprs: dict):
-    sig = {}
+def _compile(fn, constexprs: dict, pointers: dict | None = None):
+    sig, pointers = {}, dict(POINTERS, **(pointers or {}))
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in POINTERS:
-            sig[name] = POINTERS[name]
+        elif name in pointers:
+            sig[name] = pointers[name]
         elif name in SCALARS or name.startswith("stride"):
             sig[name] = SCALARS.get(name, "i32")
         else:
@@ -44,8 +44,11 @@ COMMON = dict(GROUP=7, BLOCK_G=8, HEAD_DIM=64, BLOCK_N=64, SPLIT_LEN=1024, NUM_S
 @pytest.mark.parametrize("new_token", [True, False])
 def test_paged_decode_kernel_compiles_for_hopper(pdl, new_token):
     from hybridengine.kernels import paged_decode_attention as paged
+    common = {key: value for key, value in COMMON.items() if key != "SPLIT_LEN"}
+    # the fused form's Lens: the position state by row id (int64); the plain one's seq_lens
     k = _compile(paged._paged_split_kernel,
-                 dict(COMMON, BLOCK_SIZE=16, NEW_TOKEN=new_token, PDL=pdl))
+                 dict(common, BLOCK_SIZE=16, NEW_TOKEN=new_token, PDL=pdl),
+                 {"Lens": "*i64" if new_token else "*i32"})
     ptx = k.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl
     assert ("prefetch.global.L2" in ptx) == pdl

@@ -40,24 +40,31 @@ class PagedDecodeContext:
     rows and rows that finished on the device); block_tables [B, W] int32 with W·block_size >=
     max_k; positions [B] int64 of this step's tokens; max_k: keys read per row (max_model_len
     in a graph-shaped step); backend: triton | sdpa; settings: the kernel's tile and launch,
-    and fused_rope."""
+    and fused_rope. rows [B] int64 and row_positions (positions = row_positions[rows]): the
+    runner's row ids and position state, which the fused triton form reads itself (state
+    written before the step: its launch reads it before the PDL wait); without them the
+    triton backend does not fuse RoPE."""
 
     def __init__(self, cache: PagedKVCache, layer_start: int, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, positions: torch.Tensor, max_k: int,
-                 backend: str = "sdpa", settings: RolloutKernelSettings | None = None):
+                 backend: str = "sdpa", settings: RolloutKernelSettings | None = None,
+                 rows: torch.Tensor | None = None, row_positions: torch.Tensor | None = None):
         self.cache, self.layer_start = cache, layer_start
         self.slot_mapping, self.block_tables, self.max_k = slot_mapping, block_tables, max_k
+        self.rows, self.row_positions = rows, row_positions
         self.backend = backend
-        # the write's (block, offset), once for every layer
-        bs = cache.block_size
-        self.block, self.offset = slot_mapping // bs, slot_mapping % bs
         # (no settings object as a default argument: dynamo builds this class inside the
         # compiled step; see DecodeContext)
         s = DEFAULT_KERNEL_SETTINGS if settings is None else settings
         self.launch = dict(block_n=s.decode_block_n, num_warps=s.decode_num_warps,
                            num_stages=s.decode_num_stages)
         self.launch_rope = dict(self.launch, pdl=s.pdl, prefetch_keys=s.decode_prefetch_keys)
-        self.applies_rope = backend == "triton" and s.fused_rope
+        self.applies_rope = backend == "triton" and s.fused_rope and rows is not None
+        if self.applies_rope:          # the fused kernel derives the lengths itself
+            return
+        # the write's (block, offset), once for every layer
+        bs = cache.block_size
+        self.block, self.offset = slot_mapping // bs, slot_mapping % bs
         # a row that finished on the device may sit one past the last position: it writes to
         # the scratch block and reads max_k keys, all discarded
         seqlens = (positions + 1).clamp(max=max_k)                               # [B]
@@ -86,7 +93,7 @@ class PagedDecodeContext:
         layer = layer_idx - self.layer_start
         return triton_paged.paged_decode_attention_rope(
             q, k, v, cos, sin, self.cache.k[layer], self.cache.v[layer], self.block_tables,
-            self.slot_mapping, self.seq_lens, **self.launch_rope)
+            self.slot_mapping, self.rows, self.row_positions, self.max_k, **self.launch_rope)
 
 
 class PagedPrefillContext:

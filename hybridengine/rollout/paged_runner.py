@@ -269,7 +269,8 @@ class PagedModelRunner(ModelRunner):
         tok, pos = state.tokens[rows], state.positions[rows]
         cu_q = torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=rows.device)
         ctx = PagedDecodeContext(self.cache, self.model.layer_start, slot_mapping, tables, pos,
-                                 max_k, self.backend, self.kernel_settings)
+                                 max_k, self.backend, self.kernel_settings, rows,
+                                 state.positions)
         return self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
 
     def _graph(self, n: int):
