@@ -427,11 +427,13 @@ for hq, hkv, bs, dtype, tol, sms in ((14, 2, 16, torch.float32, 1e-5, 64),
     cos, sin = rope(pos)
     k_new, v_new = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     kc, vc = k.clone(), v.clone()
-    # the lengths come from the position state by row id (rows in any order)
+    # the lengths and tables come from the runner's state by row id (rows in any order; the
+    # other rows' entries out of range, so that reading one would fail)
     rows = torch.tensor([3, 0, 6, 1, 7])
     row_positions = torch.full((8,), 10 ** 6, dtype=torch.long).index_copy_(0, rows, pos)
-    out = paged_decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, bt, slot_mapping, rows,
-                                      row_positions, W * bs)
+    row_tables = torch.full((8, W), 10 ** 6, dtype=torch.int32).index_copy_(0, rows, bt)
+    out = paged_decode_attention_rope(q, k_new, v_new, cos, sin, kc, vc, row_tables,
+                                      slot_mapping, rows, row_positions, W * bs)
     qk = apply_rope(qkv[:, :hq + hkv].float(), cos.to(dtype).float(), sin.to(dtype).float())
     qk = qk.to(dtype)
     kf, vf = k.view(-1, hkv, d), v.view(-1, hkv, d)

@@ -86,7 +86,7 @@ def test_paged_equals_static(model, prompts, static_refs, case, budget, lag, gra
                             graph_shaped=graph_shaped, **kw)
     _assert_same(got, ref)
     runner = engine.runner
-    assert runner.backend == "sdpa" and runner.width == 10 and runner.tables.shape == (32, 10)
+    assert runner.backend == "sdpa" and runner.width == 10 and runner.slot_tables.shape == (33, 10)
     s = engine.stats
     assert s["kv_layout"] == "paged" and not s["cuda_graphs"]
     # equal prompts (and the n samples' later admissions) hit the prefix cache

@@ -1,7 +1,7 @@
 """Split-KV decode attention through block tables (the paged KV cache), in Triton.
 
     paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -> [B, h_q, d]
-    paged_decode_attention_rope(q, k_new, v_new, cos, sin, k_cache, v_cache, block_tables,
+    paged_decode_attention_rope(q, k_new, v_new, cos, sin, k_cache, v_cache, row_tables,
                                 slot_mapping, rows, row_positions, max_k) -> [B, h_q, d]
 
 q [B, h_q, d] holds one query token per row; row b attends to the first seq_lens[b] >= 1
@@ -24,9 +24,10 @@ The _rope form is decode_attention_rope's through a table: q and the new key rot
 K/V stored at the row's flat slot slot_mapping[b] (block·block_size + offset; the scratch
 block's for a padding row or one that finished on the device), and the new token counted
 from registers: the key loop reads only the cached tokens through the table, so no program
-reads what another writes. The row's length comes from the runner's position state by row id
-(row_positions[rows[b]] + 1, at most max_k), as decode_attention_rope's by slot: state
-written before the decode step began. On Hopper and later the kernel is launched with
+reads what another writes. The row's length and block table come from the runner's state by
+row id (row_positions[rows[b]] + 1 tokens, at most max_k; row_tables[rows[b]]), as
+decode_attention_rope's by slot: state written before the decode step began, and no per-step
+gather of the rows' tables. On Hopper and later the kernel is launched with
 programmatic dependent launch: before the wait a program reads only that state (its length,
 its split's bounds, the first tile's block ids) and asks L2 for the first keys of its split,
 so the first K/V loads after the wait depend on no other load.
@@ -74,14 +75,16 @@ if triton is not None:
         dd = tl.arange(0, HEAD_DIM)
         heads = j * GROUP + g
         g_ok = g < GROUP
-        table = Tables + b.to(tl.int64) * stride_tb
         # Everything down to the wait reads state written before the step began (the row ids,
-        # the positions by row, the tables), so that under PDL it runs while the kernel before
-        # drains and the key loop's first loads depend on no load made after the wait.
-        if NEW_TOKEN:   # Lens: the position of each row's new token, by row id
-            seqlen = tl.minimum(tl.load(Lens + tl.load(Rows + b)) + 1, max_k).to(tl.int32)
-        else:           # Lens: each row's number of cached tokens
+        # the positions and tables by row id), so that under PDL it runs while the kernel
+        # before drains and the key loop's first loads depend on no load made after the wait.
+        if NEW_TOKEN:   # Lens: the position of each row's new token; Tables: by row id
+            row_id = tl.load(Rows + b)
+            seqlen = tl.minimum(tl.load(Lens + row_id) + 1, max_k).to(tl.int32)
+        else:           # Lens: each row's number of cached tokens; Tables: by b
+            row_id = b.to(tl.int64)
             seqlen = tl.load(Lens + b)
+        table = Tables + row_id * stride_tb
         # this split's cached keys [start, stop): with NEW_TOKEN the last one is the new
         # token's, counted from registers below, never read through the table. The row's
         # keys are cut into NUM_SPLITS equal runs of whole tiles, so a long row spreads over
@@ -159,9 +162,10 @@ if triton is not None:
 def _launch(q, k_cache, v_cache, block_tables, lens, scale, new=None, *, block_n: int,
             num_warps: int, num_stages: int, pdl: bool = False,
             prefetch_keys: int = _DEFAULT.decode_prefetch_keys) -> torch.Tensor:
-    """The split kernel (+ merge). lens: seq_lens [B] int32; or, with new = (k_new, v_new, cos,
-    sin, slot_mapping, rows, max_k) (paged_decode_attention_rope: RoPE, the cache write and the
-    new token fused), the positions by row id, row b's new token at lens[rows[b]]. Reads
+    """The split kernel (+ merge). block_tables [B, W] and lens: seq_lens [B] int32; or, with
+    new = (k_new, v_new, cos, sin, slot_mapping, rows, max_k) (paged_decode_attention_rope:
+    RoPE, the cache write and the new token fused), both by row id: row b's table
+    block_tables[rows[b]], its new token at lens[rows[b]]. Reads
     shapes and strides only (nothing synchronises). pdl (the fused form on Hopper+),
     prefetch_keys: as decode_attention's."""
     B, hq, d = q.shape
@@ -174,13 +178,14 @@ def _launch(q, k_cache, v_cache, block_tables, lens, scale, new=None, *, block_n
             k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("triton paged decode attention needs K and V caches of one shape and "
                          "layout with a contiguous last dimension")
-    if block_tables.shape[0] != B or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be [B, W] int32 (B={B})")
+    fused = new is not None
+    if block_tables.shape[0] != B and not fused or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be [B, W] int32 (B={B}; the fused form's: a row "
+                         f"per row id)")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    fused = new is not None
     if fused:
         *new, slot_mapping, rows, max_k = new
         if slot_mapping.shape != (B,) or slot_mapping.dtype != torch.int64 or \
@@ -244,7 +249,7 @@ def _(q, *args, **kwargs):
                          mutates_args=("k_cache", "v_cache"))
 def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                v_cache: torch.Tensor, row_tables: torch.Tensor,
                                 slot_mapping: torch.Tensor, rows: torch.Tensor,
                                 row_positions: torch.Tensor, max_k: int,
                                 block_n: int = _DEFAULT.decode_block_n,
@@ -256,13 +261,13 @@ def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     """One decode step's attention from the unrotated q [B, h_q, d], k_new / v_new [B, h_kv, d]
     (views of the fused qkv projection) and the fp32 RoPE tables cos, signed sin [B, d]: q and
     k_new rotated, k_new / v_new written at flat slot slot_mapping[b] (int64), attention over
-    the cached tokens of the blocks block_tables[b] and the new token, in one launch; scale
-    1/sqrt(d). Row b's new token sits at position row_positions[rows[b]] (int64: the runner's
-    position state by row id, rows [B] int64), so the row holds min(that + 1, max_k) tokens,
-    the last one the new token's. pdl: programmatic dependent launch where the device has it
+    the cached tokens and the new token, in one launch; scale 1/sqrt(d). Row b is the runner's
+    row rows[b] (int64): its new token sits at position row_positions[rows[b]] (int64), so it
+    holds min(that + 1, max_k) tokens, the last one the new token's, in the blocks
+    row_tables[rows[b]] (int32, a table per row id). pdl: programmatic dependent launch where the device has it
     (Hopper+), with prefetch_keys keys of each split asked into L2 before the wait. See the
     module doc."""
-    return _launch(q, k_cache, v_cache, block_tables, row_positions,
+    return _launch(q, k_cache, v_cache, row_tables, row_positions,
                    1.0 / math.sqrt(q.shape[-1]),
                    (k_new, v_new, cos, sin, slot_mapping, rows, max_k), block_n=block_n,
                    num_warps=num_warps, num_stages=num_stages, pdl=pdl,

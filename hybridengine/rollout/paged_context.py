@@ -37,20 +37,21 @@ from hybridengine.rollout.paged_cache import PagedKVCache, gather_blocks
 
 class PagedDecodeContext:
     """slot_mapping [B] int64 flat slots of this step's tokens (the scratch block's for padding
-    rows and rows that finished on the device); block_tables [B, W] int32 with W·block_size >=
-    max_k; positions [B] int64 of this step's tokens; max_k: keys read per row (max_model_len
-    in a graph-shaped step); backend: triton | sdpa; settings: the kernel's tile and launch,
-    and fused_rope. rows [B] int64 and row_positions (positions = row_positions[rows]): the
-    runner's row ids and position state, which the fused triton form reads itself (state
-    written before the step: its launch reads it before the PDL wait); without them the
-    triton backend does not fuse RoPE."""
+    rows and rows that finished on the device); row_tables [rows + 1, W] int32 the block table
+    of every runner row, W·block_size >= max_k; positions [B] int64 of this step's tokens;
+    max_k: keys read per row (max_model_len in a graph-shaped step); rows [B] int64 the step's
+    runner rows and row_positions the runner's position state by row (positions =
+    row_positions[rows]); backend: triton | sdpa; settings: the kernel's tile and launch, and
+    fused_rope. The fused triton form reads the tables, lengths and positions by row id
+    itself (state written before the step: its launch reads them before the PDL wait); the
+    other forms take the rows' tables gathered here."""
 
     def __init__(self, cache: PagedKVCache, layer_start: int, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, positions: torch.Tensor, max_k: int,
-                 backend: str = "sdpa", settings: RolloutKernelSettings | None = None,
-                 rows: torch.Tensor | None = None, row_positions: torch.Tensor | None = None):
+                 row_tables: torch.Tensor, positions: torch.Tensor, max_k: int,
+                 rows: torch.Tensor, row_positions: torch.Tensor, backend: str = "sdpa",
+                 settings: RolloutKernelSettings | None = None):
         self.cache, self.layer_start = cache, layer_start
-        self.slot_mapping, self.block_tables, self.max_k = slot_mapping, block_tables, max_k
+        self.slot_mapping, self.row_tables, self.max_k = slot_mapping, row_tables, max_k
         self.rows, self.row_positions = rows, row_positions
         self.backend = backend
         # (no settings object as a default argument: dynamo builds this class inside the
@@ -59,9 +60,10 @@ class PagedDecodeContext:
         self.launch = dict(block_n=s.decode_block_n, num_warps=s.decode_num_warps,
                            num_stages=s.decode_num_stages)
         self.launch_rope = dict(self.launch, pdl=s.pdl, prefetch_keys=s.decode_prefetch_keys)
-        self.applies_rope = backend == "triton" and s.fused_rope and rows is not None
-        if self.applies_rope:          # the fused kernel derives the lengths itself
+        self.applies_rope = backend == "triton" and s.fused_rope
+        if self.applies_rope:          # the fused kernel reads all it needs by row id
             return
+        self.block_tables = row_tables.index_select(0, rows)                      # [B, W]
         # the write's (block, offset), once for every layer
         bs = cache.block_size
         self.block, self.offset = slot_mapping // bs, slot_mapping % bs
@@ -92,8 +94,9 @@ class PagedDecodeContext:
         kernel (triton backend with fused_rope)."""
         layer = layer_idx - self.layer_start
         return triton_paged.paged_decode_attention_rope(
-            q, k, v, cos, sin, self.cache.k[layer], self.cache.v[layer], self.block_tables,
-            self.slot_mapping, self.rows, self.row_positions, self.max_k, **self.launch_rope)
+            q, k, v, cos, sin, self.cache.k[layer], self.cache.v[layer], self.row_tables,
+            self.slot_mapping, self.rows, self.row_positions, self.max_k,
+            **self.launch_rope)
 
 
 class PagedPrefillContext:

@@ -9,17 +9,19 @@ Decode: the triton backend (kernels/paged_decode_attention.py; with kernels.fuse
 the cache write inside it) where Triton runs, else the torch reference (resolve_paged_backend).
 As the static runner's, the step is graph-shaped under CUDA graphs (`static_shapes`; tests set
 it on the CPU to run the same path without capture): its rows padded to a graph bucket with
-the scratch row, whose flat slot is the scratch block's, and every row's block table at the
-fixed width W = ceil(max_model_len / block_size), padded with the scratch block, in static
-buffers (row_ids, slot_mapping, tables) filled before each replay; one graph per (sampler mode,
+the scratch row, whose flat slot is the scratch block's, the tables read at the fixed width
+W = ceil(max_model_len / block_size), padded with the scratch block; its rows and slots in
+static buffers (row_ids, slot_mapping) filled before each replay; one graph per (sampler mode,
 bucket), captured on first use. Eager (enforce_eager), a step reads the tables at the width
 the engine hands over and max_k keys.
 Block tables live on the device, one row per sequence row (slot_tables [rows + 1, W]): a
-prefill writes its sequences' whole tables, and a decode step only the block each row writes
-its token into (the block at position // block_size: a new one at a block boundary), from the
-slots it is handed; the step's tables are then gathered on the device. A step uploads its rows
-and slots, not tables: at 256 rows of 16k tokens the host built and copied 2 MB of tables a
-step (2.8 ms of host time on the 2-core CPU machine).
+prefill writes its sequences' whole tables, and a decode step, inside its graph, only the
+block each row writes its token into (the block at position // block_size: a new one at a
+block boundary), from the slots it is handed; the fused decode kernel reads the tables by row
+id (the other backends gather the step's rows). A step uploads its slots, and its rows when
+they changed: one host-to-device copy, where the step used to spend a copy and five small
+kernels outside its graph gathering the rows' tables (and at 256 rows of 16k tokens, before
+that, the host built and copied 2 MB of tables a step).
 Compile: compile / compile_prefill as the static layout (rollout/compile_steps.py: the decode
 forward with its rows marked dynamic, the sampler's bookkeeping, the prefill forward); the
 cache's block count is marked dynamic. The prefill takes one of three forms (varlen or dense
@@ -51,7 +53,7 @@ from hybridengine.rollout.paged_scheduler import PrefillGroup
 from hybridengine.rollout.prefill_plan import (add_pad_index, add_prefix_index, dense_pays,
                                                paged_prefill_plan)
 from hybridengine.rollout.rollout_config import RolloutConfig
-from hybridengine.rollout.slot_state import Pending, SlotState
+from hybridengine.rollout.slot_state import Pending, SlotState, h2d_into
 
 
 def resolve_paged_backend(requested: str, device: torch.device,
@@ -135,7 +137,7 @@ class PagedModelRunner(ModelRunner):
         self.scratch_slot = num_blocks * self.block_size
         self.row_ids = torch.full((R,), R, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((R,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.tables = torch.full((R, self.width), num_blocks, dtype=torch.int32, device=dev)
+        self._uploaded_rows = None
         self.slot_tables = torch.full((R + 1, self.width), num_blocks, dtype=torch.int32,
                                       device=dev)
         self.step_fin = torch.zeros(R, dtype=torch.bool, device=dev)
@@ -150,7 +152,7 @@ class PagedModelRunner(ModelRunner):
     def free(self) -> None:
         super().free()
         self.allocator = None
-        for name in ("row_ids", "slot_mapping", "tables", "slot_tables"):
+        for name in ("row_ids", "slot_mapping", "slot_tables"):
             self.__dict__.pop(name, None)
 
     def block_tables(self) -> BlockTables:
@@ -231,46 +233,45 @@ class PagedModelRunner(ModelRunner):
         return Pending(rows, self.step_fin[:B])
 
     def _upload(self, rows, slot_mapping, n: int, width: int) -> None:
-        """The step's rows and flat slots into the static buffers' first n rows (one
-        host-to-device copy; padding rows: the scratch row and slot), each row's block of this
-        step into its table, and the rows' tables gathered into `tables`."""
+        """The step's flat slots into the static buffer's first n entries, and its rows when
+        they changed since the last step (padding rows: the scratch row and slot): one
+        host-to-device copy a step, straight into the buffer the step reads."""
         pad = n - len(rows)
-        t = self._h2d_arrays({"rows": np.asarray(rows + [self.num_slots] * pad, np.int64),
-                              "slots": np.asarray(slot_mapping + [self.scratch_slot] * pad,
-                                                  np.int64)})
-        row_ids, slots = self.row_ids[:n], self.slot_mapping[:n]
-        row_ids.copy_(t["rows"], non_blocking=True)
-        slots.copy_(t["slots"], non_blocking=True)
-        # the block of the position each row writes (the scratch row: the scratch block). A row
-        # that finished on the device a step ago (read one step late) no longer moves its
-        # position: its entry lands in a stale column of a table nothing reads again
-        bs = self.block_size
-        self.slot_tables[row_ids, self.state.positions[row_ids] // bs] = \
-            (slots // bs).to(torch.int32)
-        self.tables[:n, :width] = self.slot_tables.index_select(0, row_ids)[:, :width]
+        rows = rows + [self.num_slots] * pad
+        if rows != self._uploaded_rows:
+            h2d_into(self.row_ids[:n], np.asarray(rows, np.int64))
+            self._uploaded_rows = rows
+        h2d_into(self.slot_mapping[:n],
+                 np.asarray(slot_mapping + [self.scratch_slot] * pad, np.int64))
 
     def _decode_step(self, n: int, width: int, max_k: int) -> None:
-        rows = self.row_ids[:n]
+        rows, slots = self.row_ids[:n], self.slot_mapping[:n]
+        # the block each row writes its token into, in its table (a new one at a block
+        # boundary; the scratch row: the scratch block). Part of the step, so a CUDA graph
+        # replays it. A row that finished on the device a step ago (read one step late) no
+        # longer moves its position: its entry lands in a stale column nothing reads again
+        self.slot_tables[rows, self.state.positions[rows] // self.block_size] = \
+            (slots // self.block_size).to(torch.int32)
         # the decode body's own views (as ModelRunner._decode_step): marked dynamic, so that
         # one compile serves every bucket
-        body = (self.row_ids[:n], self.slot_mapping[:n], self.tables[:n, :width])
+        body = (self.row_ids[:n], self.slot_mapping[:n])
         if self.compiled and n > 1:
             for x in body:
                 torch._dynamo.mark_dynamic(x, 0)
-        h = self._decode_body(*body, max_k)
+        h = self._decode_body(*body, self.slot_tables[:, :width], max_k)
         # the forward only writes the cache: positions still hold this step's values
         self.step_fin[:n] = self._sample_and_commit(rows, self.state.positions[rows], h)
 
     def _decode_hidden(self, rows: torch.Tensor, slot_mapping: torch.Tensor,
                        tables: torch.Tensor, max_k: int) -> torch.Tensor:
         """rows [B] -> last hidden states [B, H] of the rows' current tokens (writes K/V at
-        slot_mapping, reads through tables [B, w] int32)."""
+        slot_mapping, reads through the tables of every row id, tables [rows + 1, w] int32)."""
         state = self.state
         tok, pos = state.tokens[rows], state.positions[rows]
         cu_q = torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=rows.device)
         ctx = PagedDecodeContext(self.cache, self.model.layer_start, slot_mapping, tables, pos,
-                                 max_k, self.backend, self.kernel_settings, rows,
-                                 state.positions)
+                                 max_k, rows, state.positions, self.backend,
+                                 self.kernel_settings)
         return self.model(PackedInput(tok, pos, cu_q, 1), attn_ctx=ctx)
 
     def _graph(self, n: int):
@@ -281,7 +282,7 @@ class PagedModelRunner(ModelRunner):
         if graph is None:
             self.row_ids[:n].fill_(self.num_slots)
             self.slot_mapping[:n].fill_(self.scratch_slot)
-            self.tables[:n].fill_(self.cache.scratch_block)
+            self._uploaded_rows = None
             graph = self.graphs.capture(
                 key, lambda: self._decode_step(n, self.width, self.max_model_len))
         return graph

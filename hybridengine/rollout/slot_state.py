@@ -14,6 +14,7 @@ prefill reuses the slot); `results` moves them to the host once per generate cal
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -24,6 +25,13 @@ def h2d(values, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def h2d_into(dst: torch.Tensor, values: np.ndarray) -> None:
+    """Host int64 values copied into the device tensor dst without synchronising (as h2d,
+    with no device tensor of their own in between)."""
+    t = torch.from_numpy(values)
+    dst.copy_(t.pin_memory() if dst.device.type == "cuda" else t, non_blocking=True)
 
 
 class Pending:
