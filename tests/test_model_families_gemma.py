@@ -309,3 +309,24 @@ def test_spec_attention_op_equals_one_sequence_at_a_time(spec):
         assert (out - ref).abs().max() < tol
         for a, b in zip(torch.autograd.grad(out, leaves, grad), ref_grads):
             assert (a - b).abs().max() < tol
+
+
+def test_moved_microbatch_hands_spec_attention_its_bounds_on_the_host(monkeypatch):
+    """A micro-batch built on the host and moved to the device keeps its sequence bounds on the
+    host too, and the packed attention hands those to the spec_attention op, whose forward and
+    backward read them as numbers (the device's copy would cost a sync a layer each; "meta"
+    stands in for the device here)."""
+    import hybridengine.models.attention as attention
+    from hybridengine.models.attention import PackedCausalAttention, PackedInput
+    from hybridengine.models.features import AttentionSpec
+    from hybridengine.train.engine import MicroBatch
+    packed = PackedInput.from_lengths(torch.arange(10), [4, 6], multiple_of=4)
+    moved = MicroBatch(packed).to("meta").packed
+    assert moved.cu_seqlens.device.type == "meta"
+    assert moved.host_bounds.device.type == "cpu"
+    assert moved.host_bounds.tolist() == [0, 4, 10, 12]          # the SP pad's sequence too
+    seen = []
+    monkeypatch.setattr(attention, "spec_attention", lambda q, k, v, cu, spec: seen.append(cu))
+    q = torch.zeros(12, 2, 8)
+    PackedCausalAttention(moved).attend(0, q, q, q, AttentionSpec(softcap=50.0))
+    assert seen[0].device.type == "cpu" and seen[0].tolist() == [0, 4, 10, 12]

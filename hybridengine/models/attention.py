@@ -36,13 +36,23 @@ REPEATS_KV_IN_TRAINING = _varlen_attn is not None and not _VARLEN_GQA
 @dataclass
 class PackedInput:
     """input_ids/position_ids [T]; cu_seqlens [n+1] int32 boundaries; `num_pad` trailing dummy
-    tokens (their own sequence) appended so that T divides the sequence-parallel degree."""
+    tokens (their own sequence) appended so that T divides the sequence-parallel degree;
+    cu_seqlens_host: the same boundaries on the host, where the input was built there and
+    moved (train.engine.MicroBatch.to), so that what needs them as numbers reads them without
+    waiting for the device."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
     num_pad: int = 0
+    cu_seqlens_host: torch.Tensor | None = None
+
+    @property
+    def host_bounds(self) -> torch.Tensor | None:
+        """cu_seqlens on the host (itself, or the host copy), or None."""
+        return self.cu_seqlens if self.cu_seqlens.device.type == "cpu" else \
+            self.cu_seqlens_host
 
     @property
     def num_tokens(self) -> int:
@@ -178,6 +188,11 @@ class PackedCausalAttention:
 
     def __init__(self, packed: PackedInput):
         self.cu = packed.cu_seqlens
+        # the bounds as the ops that read them as numbers take them: on the host where the
+        # input has them there (spec_attention reads them in its forward and backward: a
+        # device sync a layer each, twice a micro-batch, when handed the device's)
+        host = packed.host_bounds
+        self.cu_numbers = self.cu if host is None else host
         self.max_seqlen = packed.max_seqlen
         self._bounds = None
 
@@ -187,7 +202,7 @@ class PackedCausalAttention:
         if spec is not None:
             if flash and spec.softcap is None:
                 return self._varlen(q, k, v, spec)
-            return spec_attention(q, k, v, self.cu, spec)
+            return spec_attention(q, k, v, self.cu_numbers, spec)
         if flash:
             return self._varlen(q, k, v)
         return self._per_sequence(q, k, v)
@@ -220,7 +235,7 @@ class PackedCausalAttention:
             # graph, and the CPU compile tests would then see other graphs than CUDA's varlen
             return per_sequence_attention(q, k, v, self.cu)
         if self._bounds is None:
-            self._bounds = self.cu.tolist()
+            self._bounds = self.cu_numbers.tolist()
         return _per_sequence_attention(q, k, v, self._bounds)
 
 

@@ -158,6 +158,7 @@ def spec_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    spec: AttentionSpec) -> torch.Tensor:
     """Causal attention under `spec` inside each packed sequence of cu_seqlens (its window
     counting from the sequence's own first token): q [T, h_q, d], k/v [T, h_kv, d] ->
-    [T, h_q, d]."""
+    [T, h_q, d]. The forward and the backward read cu_seqlens as numbers: hand it over on
+    the host where it is there (PackedInput.host_bounds), or each reads the device's."""
     return _spec_attention(q, k, v, cu_seqlens, spec.window or 0, spec.softcap or 0.0,
                            spec.scale or 0.0)

@@ -66,7 +66,7 @@ class MicroBatch:
             return t.pin_memory().to(device, non_blocking=True) if async_copy else t.to(device)
         p = self.packed
         packed = PackedInput(move(p.input_ids), move(p.position_ids), move(p.cu_seqlens),
-                             p.max_seqlen, p.num_pad)
+                             p.max_seqlen, p.num_pad, p.host_bounds)
         return MicroBatch(packed, {k: move(v) for k, v in self.tensors.items()})
 
 
