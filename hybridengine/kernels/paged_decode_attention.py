@@ -165,9 +165,9 @@ def _launch(q, k_cache, v_cache, block_tables, lens, scale, new=None, *, block_n
     """The split kernel (+ merge). block_tables [B, W] and lens: seq_lens [B] int32; or, with
     new = (k_new, v_new, cos, sin, slot_mapping, rows, max_k) (paged_decode_attention_rope:
     RoPE, the cache write and the new token fused), both by row id: row b's table
-    block_tables[rows[b]], its new token at lens[rows[b]]. Reads
-    shapes and strides only (nothing synchronises). pdl (the fused form on Hopper+),
-    prefetch_keys: as decode_attention's."""
+    block_tables[rows[b]], its new token at lens[rows[b]]. Reads shapes and strides only
+    (nothing synchronises). pdl (the fused form on Hopper+), prefetch_keys: as
+    decode_attention's."""
     B, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     W = block_tables.shape[1]
@@ -264,9 +264,9 @@ def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     the cached tokens and the new token, in one launch; scale 1/sqrt(d). Row b is the runner's
     row rows[b] (int64): its new token sits at position row_positions[rows[b]] (int64), so it
     holds min(that + 1, max_k) tokens, the last one the new token's, in the blocks
-    row_tables[rows[b]] (int32, a table per row id). pdl: programmatic dependent launch where the device has it
-    (Hopper+), with prefetch_keys keys of each split asked into L2 before the wait. See the
-    module doc."""
+    row_tables[rows[b]] (int32, a table per row id). pdl: programmatic dependent launch where
+    the device has it (Hopper+), with prefetch_keys keys of each split asked into L2 before
+    the wait. See the module doc."""
     return _launch(q, k_cache, v_cache, row_tables, row_positions,
                    1.0 / math.sqrt(q.shape[-1]),
                    (k_new, v_new, cos, sin, slot_mapping, rows, max_k), block_n=block_n,
