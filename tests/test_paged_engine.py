@@ -244,3 +244,9 @@ def test_bench_rollout_takes_the_paged_layout_samples_and_response_lengths(capsy
     assert ours["kv_used_over_held"] >= 1
     with pytest.raises(SystemExit):
         bench.parse_args(["--response-lengths", "normal:4:1"])
+    # --max-model-len: the engine's rows / the tables' width beyond prompt + response
+    args = bench.parse_args(["--tiny", "--kv-layout", "paged", "--max-model-len", "96"])
+    assert bench.rollout_config(args).max_model_len == 96
+    assert bench.rollout_config(bench.parse_args(["--tiny"])).max_model_len == 16 + 8
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--max-model-len", "23"])

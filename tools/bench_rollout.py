@@ -103,7 +103,7 @@ def kernel_settings(args) -> RolloutKernelSettings:
 def rollout_config(args) -> RolloutConfig:
     """The engine's config that the arguments name: a row per prompt and the cache sized for
     them (so that every variant runs the same batch), the flags' knobs, kernel_settings."""
-    max_len, seqs = args.prompt_len + args.new_tokens, args.batch * args.n
+    max_len, seqs = args.max_model_len or args.prompt_len + args.new_tokens, args.batch * args.n
     # static: exactly a row per sequence; paged: the device's budget (gpu_memory_utilization),
     # which admission by blocks fills as the sequences' real lengths need
     tokens = (seqs + 1) * max_len if args.kv_layout == "static" else None
@@ -213,6 +213,10 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's context length: its rows (static) or the tables' width "
+                         "(paged) (default: --prompt-len + --new-tokens); a run's last rows "
+                         "in a wider table, as the long workload's tail")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument("--response-lengths", default=None, metavar="lognormal:MEAN:SIGMA",
                     help="per-prompt token budgets from a log-normal (module doc)")
@@ -303,6 +307,10 @@ def parse_args(argv=None):
     if args.tiny:
         args.batch, args.prompt_len = min(args.batch, 4), min(args.prompt_len, 16)
         args.new_tokens = min(args.new_tokens, 8)
+    if args.max_model_len is not None and \
+            args.max_model_len < args.prompt_len + args.new_tokens:
+        ap.error(f"--max-model-len={args.max_model_len}: below --prompt-len + --new-tokens "
+                 f"({args.prompt_len + args.new_tokens})")
     return args
 
 
