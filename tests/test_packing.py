@@ -134,3 +134,43 @@ def test_split_to_count_keeps_feasibility():
     parts = _split_to_count(seqlens, [[0, 1, 2, 3], [4]], 4)
     _assert_partition_of(parts, 5)
     assert len(parts) == 4 and max(_sums(seqlens, parts)) <= 100
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_build_microbatch_packs_each_sequence_as_one_at_a_time(tp):
+    """rl.batch.build_microbatch (the whole micro-batch in numpy) against packing each sequence
+    on its own: tokens back to back, targets each token's successor within its sequence (its
+    first token after its last, torch.roll's), resp_idx / logprob_rows the positions that
+    predict the response tokens, the SP pad; responses of every length, an empty one too."""
+    import torch
+    from hybridengine.models.attention import PackedInput
+    from hybridengine.rl.batch import Batch, build_microbatch
+    rng = random.Random(tp)
+    B, R = 9, 7
+    prompts = [[rng.randrange(5, 99) for _ in range(rng.randint(1, 6))] for _ in range(B)]
+    responses = [[rng.randrange(5, 99) for _ in range(rng.randint(0, R))] for _ in range(B)]
+    responses[2] = []
+    batch = Batch(prompts, responses, list(range(B)), ["d"] * B, [None] * B, [{}] * B, R,
+                  {"advantages": torch.randn(B, R)})
+    idx = [4, 0, 2, 7, 5]
+    mb = build_microbatch(batch, idx, tp, ("advantages",))
+    seqs = [torch.tensor(prompts[i] + responses[i]) for i in idx]
+    want_rows, want_idx, offset = [], torch.zeros(len(idx), R, dtype=torch.long), 0
+    for row, i in enumerate(idx):
+        r = len(responses[i])
+        want_idx[row, :r] = offset + len(prompts[i]) - 1 + torch.arange(r)
+        want_rows.append(want_idx[row, :r])
+        offset += len(seqs[row])
+    want = PackedInput.from_lengths(torch.cat(seqs), [len(s) for s in seqs], multiple_of=tp)
+    for name in ("input_ids", "position_ids", "cu_seqlens"):
+        a, b = getattr(mb.packed, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (mb.packed.max_seqlen, mb.packed.num_pad) == (want.max_seqlen, want.num_pad)
+    assert mb.packed.num_tokens % tp == 0 and mb.packed.num_tokens - mb.packed.num_pad == offset
+    assert torch.equal(mb.tensors["targets"], torch.cat([torch.roll(s, -1) for s in seqs]))
+    assert torch.equal(mb.tensors["resp_idx"], want_idx)
+    assert torch.equal(mb.tensors["logprob_rows"], torch.cat(want_rows))
+    assert torch.equal(mb.tensors["resp_mask"], batch.response_mask[torch.tensor(idx)])
+    assert torch.equal(mb.tensors["advantages"], batch.tensors["advantages"][torch.tensor(idx)])
+    assert all(t.dtype == torch.long for t in (mb.packed.input_ids, mb.tensors["targets"],
+                                               mb.tensors["resp_idx"]))
