@@ -28,6 +28,26 @@ def test_work_goes_to_the_innermost_named_range(one_thread):
     assert "aten::add" in [n for n, _, _ in table["other"]["top"]]
 
 
+def test_host_time_of_each_sub_range_per_named_range(one_thread):
+    """host_ms: the host's wall time in each dotted sub-range of a named range (how long the
+    host spent queueing a forward, beside how long the device waited for it), with counts."""
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("update_actor"):
+            for _ in range(3):
+                with record_function("train.forward"):
+                    for _ in range(4):
+                        x @ x
+            with record_function("train.optimizer"):
+                x.add_(1)
+        with record_function("train.forward"):          # in no named range: not counted
+            x @ x
+    host = kernel_table(prof, ["update_actor"])["update_actor"]["host_ms"]
+    assert set(host) == {"train.forward", "train.optimizer"}
+    assert host["train.forward"][1] == 3 and host["train.optimizer"][1] == 1
+    assert host["train.forward"][0] > host["train.optimizer"][0] > 0
+
+
 def test_timeline_gives_the_innermost_span():
     # rollout [0, 100) holds decode steps [10, 20) and [30, 40); update [100, 150) follows.
     spans = [(0, 100, "rollout"), (30, 40, "decode"), (10, 20, "decode"), (100, 150, "update")]
@@ -80,4 +100,7 @@ def test_bench_ppo_profiles_every_phase_with_offload(bench_ppo_tiny):
     assert returncode == 0, stderr[-3000:]
     assert {"decode", "prefill", "old_log_prob", "ref", "update_actor"} <= out["profile"].keys()
     assert out["profile"]["update_actor"]["by_category_ms"]["gemm"] > 0
+    # the host's time in the update loop's sub-ranges (12 or so micro-batches' worth of each)
+    host = out["profile"]["update_actor"]["host_ms"]
+    assert {"train.forward", "train.backward", "train.optimizer"} <= host.keys()
     assert out["mean"]["timing_s/offload"] > 0 and out["offload"] == "grads,optimizer"

@@ -138,7 +138,7 @@ def _launch_label(kernel, index: tuple[dict, dict]) -> str:
     holds a dot, e.g. "train.optimizer") of its host launch, else the host op that launched it."""
     event, op = _launcher(kernel, index), None
     while event is not None:
-        if "." in event.name and "::" not in event.name:
+        if _is_sub_range(event.name):
             return event.name
         if op is None and not event.name.startswith(_RUNTIME):
             op = event.name
@@ -183,13 +183,38 @@ def profile_ranges(fn, ranges: Iterable[str], top: int = 12) -> dict:
     return kernel_table(prof, ranges, top)
 
 
+def _is_sub_range(name: str) -> bool:
+    """A record_function sub-range's name ("train.forward"), not an op's ("aten::mm")."""
+    return "." in name and "::" not in name
+
+
+def host_sub_ranges(events, ranges: set[str]) -> dict[str, dict[str, list]]:
+    """{range: {sub-range: [host ms, count]}}: the host's wall time inside each sub-range
+    (record_function names with a dot) of each named range, nested ones counted in their
+    own name too. Beside idle_by_launcher_ms it says whether the device waited because the
+    host spent that long there."""
+    out: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for e in events:
+        if e.device_type != DeviceType.CPU or e.is_async or not _is_sub_range(e.name):
+            continue
+        owner = _owner(e.cpu_parent, ranges)
+        if owner is not None:
+            slot = out[owner][e.name]
+            slot[0] += (e.time_range.end - e.time_range.start) / 1e3
+            slot[1] += 1
+    return out
+
+
 def kernel_table(prof, ranges: Iterable[str], top: int = 12) -> dict:
-    """{range: {kernel_ms, kernels, span_ms, by_category_ms, streams_busy_ms, top}}; kernels
-    outside every named range go to "other" (only when there are some)."""
+    """{range: {kernel_ms, kernels, span_ms, by_category_ms, streams_busy_ms, top, host_ms}};
+    kernels outside every named range go to "other" (only when there are some). host_ms:
+    host_sub_ranges' {sub-range: [ms, count]} of the range, where it has any."""
     names = set(ranges)
+    events = prof.events()
     rows = defaultdict(list)
-    for owner, kname, start, end, stream, launcher in _work_items(prof.events(), names):
+    for owner, kname, start, end, stream, launcher in _work_items(events, names):
         rows[owner or "other"].append((kname, start, end, stream, launcher))
+    host = host_sub_ranges(events, names)
     out = {}
     for owner, items in rows.items():
         by_name, by_cat, by_stream = defaultdict(lambda: [0, 0.0]), defaultdict(float), \
@@ -215,4 +240,7 @@ def kernel_table(prof, ranges: Iterable[str], top: int = 12) -> dict:
             out[owner]["idle_ms"] = round(idle / 1e3, 3)
             out[owner]["idle_by_launcher_ms"] = {
                 k: round(v / 1e3, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]}
+        if host.get(owner):
+            out[owner]["host_ms"] = {k: [round(ms, 3), n] for k, (ms, n) in
+                                     sorted(host[owner].items(), key=lambda kv: -kv[1][0])}
     return out
