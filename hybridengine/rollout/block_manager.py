@@ -110,9 +110,7 @@ class BlockAllocator:
         blocks = []
         for tokens in runs:
             block, _ = free.popitem(last=False)
-            old = key_of.pop(block, None)
-            if old is not None:                                   # evicted (as _evict)
-                del index[old], ids[block]
+            self._evict(block)
             counts[block] = refs
             key = (parent, tokens)
             found = index.get(key)

@@ -225,14 +225,14 @@ class PagedModelRunner(ModelRunner):
                 # compiled: one scratch row with a lone sequence (size 1 would compile again)
                 n = B + (self.compiled and B == 1 < self.num_slots)
                 graph = None
-            self._upload(rows, slot_mapping, n, width)
+            self._upload(rows, slot_mapping, n)
             if graph is not None:
                 graph.replay()
             else:
                 self._decode_step(n, width, max_k)
         return Pending(rows, self.step_fin[:B])
 
-    def _upload(self, rows, slot_mapping, n: int, width: int) -> None:
+    def _upload(self, rows, slot_mapping, n: int) -> None:
         """The step's flat slots into the static buffer's first n entries, and its rows when
         they changed since the last step (padding rows: the scratch row and slot): one
         host-to-device copy a step, straight into the buffer the step reads."""
