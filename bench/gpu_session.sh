@@ -35,7 +35,7 @@ trap 'pack_cache; pack' EXIT
 parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run() { local name=$1; shift
-        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" ${name%"${TAG:-}"} "* ]]; then return; fi
         echo "== $name: $*" | tee -a "$RES/session.log";
         timeout "${T:-300}" "$@" > "$RES/$name.json" 2> "$RES/$name.err";
         echo "rc=$? $(tail -c 600 "$RES/$name.json")" | tee -a "$RES/session.log"; pack; }
@@ -124,10 +124,14 @@ for p in $parts; do case $p in
              T=${T:-580} run "ppo_$m" python3 tools/bench_ppo.py --workload fixed --algo ppo --defaults \
                --warmup 1 --steps 2 --model "$m" $data
            done ;;
-  ppo)     data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
+  ppo)     # PPO_STEPS: timed steps; PPO_PROFILE: the extra profiled step(s) (--profile,
+           # --host-profile, or none); PPO_ARGS: more flags for ppo_seed and grpo_fixed, TAG: a
+           # suffix for their names (a before/after in one call: TAG=_before PPO_ARGS="--set ...")
+           data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
            fast="--train-compile --rollout-compile --max-tokens 8192"
-           T=${T:-600} run ppo_seed python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --profile
-           T=${T:-600} run grpo_fixed python3 tools/bench_ppo.py --workload fixed --algo grpo --steps 2 $fast $data --profile
+           how="--steps ${PPO_STEPS:-2} ${PPO_PROFILE---profile} ${PPO_ARGS:-}"
+           T=${T:-600} run ppo_seed${TAG:-} python3 tools/bench_ppo.py --workload seed --algo ppo $fast $data $how
+           T=${T:-600} run grpo_fixed${TAG:-} python3 tools/bench_ppo.py --workload fixed --algo grpo $fast $data $how
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
   paged)   # issue 25, one GPU: the paged KV layout against the static one (the `static`
@@ -160,19 +164,21 @@ for p in $parts; do case $p in
            done ;;
   realtext) # real text that stops at EOS, on the GPU: the default job's pretrained stories260K
            # (models/stories260k) with GRPO, then PPO (critic, GAE, 4 mini-batches an update),
-           # one process, responses of up to RT_LEN tokens (the model stops where it chooses)
+           # one process, responses of up to RT_LEN tokens (the model stops where it chooses);
+           # RT_EXTRA: more overrides for both (e.g. actor_rollout_ref.rollout.kv_layout=paged),
+           # RT_TAG: a suffix for their names
            rt="trainer.device=cuda actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1
                data.max_response_length=${RT_LEN:-448} trainer.total_training_steps=${RT_STEPS:-10}
-               trainer.save_freq=-1 trainer.test_freq=5"
+               trainer.save_freq=-1 trainer.test_freq=5 ${RT_EXTRA:-}"
            ppo="algorithm.adv_estimator=gae actor_rollout_ref.rollout.n=1 data.train_batch_size=64
                 actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
                 critic.optim.lr=1e-3 critic.ppo_micro_batch_size_per_gpu=8"
            for algo in grpo ppo; do
-             extra=; [ $algo = ppo ] && extra=$ppo
+             extra=; [ $algo = ppo ] && extra=$ppo; name=realtext_$algo${RT_TAG:-}
              timeout "${T:-200}" torchrun --nproc_per_node=1 launch/ppo.py $rt $extra \
-               trainer.default_local_dir=/tmp/realtext_$algo > "$RES/realtext_$algo.log" 2>&1
-             echo "realtext_$algo rc=$?" | tee -a "$RES/session.log"; tail -4 "$RES/realtext_$algo.log" >> "$RES/session.log"
-             cp /tmp/realtext_$algo/metrics.jsonl "$RES/realtext_$algo.metrics.jsonl" 2>/dev/null; pack
+               trainer.default_local_dir=/tmp/$name > "$RES/$name.log" 2>&1
+             echo "$name rc=$?" | tee -a "$RES/session.log"; tail -4 "$RES/$name.log" >> "$RES/session.log"
+             cp /tmp/$name/metrics.jsonl "$RES/$name.metrics.jsonl" 2>/dev/null; pack
            done ;;
   trl)     # issue 27's peer in the same call: TRL's GRPOTrainer (HF generate) at the fixed
            # workload's shape, 3 steps (../shared/bench/hf_trl_baseline.py copied to .benchdata/;

@@ -256,7 +256,8 @@ FAST = {"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.acto
         "actor_rollout_ref.rollout.enforce_eager": False, "actor_rollout_ref.rollout.compile": True,
         "actor_rollout_ref.rollout.compile_prefill": True,
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 16384,
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 8192}
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 16384,
+        "critic.forward_max_token_len_per_gpu": 16384}
 
 
 def test_cuda_defaults_are_the_benchmarked_fast_paths():
@@ -266,7 +267,8 @@ def test_cuda_defaults_are_the_benchmarked_fast_paths():
     fast = load_config(RECIPE + ["trainer.device=cuda"])
     validate_config(fast, world_size=1)
     args = SimpleNamespace(algo="ppo", workload="seed", rollout_compile=True, train_compile=True,
-                           max_tokens=8192, warmup=0, steps=1, profile=False, defaults=False,
+                           max_tokens=8192, warmup=0, steps=1, profile=False, host_profile=False,
+                           defaults=False,
                            val_every=0)
     bench = load_config(RECIPE + overrides(args, Path("m"), Path("d.jsonl"), Path("out")))
     for key in FAST:
@@ -297,7 +299,9 @@ def test_cuda_defaults_apply_under_the_run_own_keys(tmp_path, monkeypatch):
     rollout = own.actor_rollout_ref.rollout
     assert rollout.enforce_eager and rollout.compile and rollout.compile_prefill
     assert not own.actor_rollout_ref.actor.use_torch_compile and not own.critic.use_torch_compile
-    assert own.critic.ppo_max_token_len_per_gpu == own.critic.forward_max_token_len_per_gpu == 4096
+    # the forward-only budget is a CUDA default of its own, as the actor's log-prob one
+    assert own.critic.ppo_max_token_len_per_gpu == 4096
+    assert own.critic.forward_max_token_len_per_gpu == 16384
     assert own.actor_rollout_ref.actor.use_dynamic_bsz and own.critic.use_dynamic_bsz
     assert describe_layers(RECIPE) == ("defaults (configs/ppo_trainer.yaml) + CUDA defaults "
                                        "(configs/cuda_defaults.yaml) + configs/gsm8k_qwen2_5_0_5b.yaml")

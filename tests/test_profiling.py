@@ -8,6 +8,7 @@ from tool_utils import load_tool
 _tool = load_tool("profiling")  # tools/profiling.py
 category, kernel_table, owner_at, timeline = _tool.category, _tool.kernel_table, _tool.owner_at, _tool.timeline
 idle_gaps, host_index, launch_label = _tool.idle_gaps, _tool._host_index, _tool._launch_label
+host_diagnosis = _tool.host_diagnosis
 
 
 def test_work_goes_to_the_innermost_named_range(one_thread):
@@ -26,6 +27,35 @@ def test_work_goes_to_the_innermost_named_range(one_thread):
     assert table["update"]["by_category_ms"]["gemm"] > 0
     assert [n for n, _, _ in table["decode"]["top"]][0] == "aten::cat"
     assert "aten::add" in [n for n, _, _ in table["other"]["top"]]
+
+
+def _waits_for_the_device():
+    import warnings
+    # what torch's sync debug mode raises at a synchronising call (CUDA only)
+    warnings.warn("called a synchronizing CUDA operation")
+
+
+def _busy_host():
+    for _ in range(3):
+        _waits_for_the_device()
+    return sum(i * i for i in range(20000))
+
+
+def test_host_diagnosis_names_the_slow_functions_and_the_waiting_lines():
+    """host_diagnosis: functions by own and cumulative host time, and each line that
+    synchronised with its callers and a count (other warnings are not counted)."""
+    def step():
+        import warnings
+        warnings.warn("something else")
+        _busy_host()
+    out = host_diagnosis(step)
+    cumulative = [row[0] for row in out["by_cumulative_time"]]
+    assert any("_busy_host" in name for name in cumulative)
+    assert out["columns"] == ["function", "calls", "own_ms", "cumulative_ms"]
+    (where, count), = out["syncs"].items()
+    assert count == 3
+    assert where.startswith("test_profiling.py:") and "(_waits_for_the_device) <- " in where
+    assert "(_busy_host)" in where
 
 
 def test_host_time_of_each_sub_range_per_named_range(one_thread):

@@ -20,6 +20,7 @@ rollout phase against the plan's reshard and rollout, whichever is larger); prog
     python tools/bench_ppo.py --workload seed --algo ppo [--model 0.5b] [--steps 10 --warmup 3]
         [--tokenizer DIR] [--gsm8k FILE] [--rollout-compile] [--train-compile] [--defaults]
         [--val-every K] [--offload grads,optimizer] [--lora RANK [--lora-alpha A]] [--profile]
+        [--host-profile]
         [--set KEY=VALUE ...]
 --rollout-compile compiles the rollout's decode step and prefill (rollout.compile{,_prefill}).
 --defaults leaves CUDA graphs, compilation and micro-batching to the config's defaults (on CUDA
@@ -30,7 +31,8 @@ trainer's test_freq does (its seconds: "val_s").
 (mean MEAN, capped at data.max_response_length, e.g. --set data.max_response_length=4096).
 --offload moves those parts of the actor and critic to the host outside the phases that use
 them (megatron.*_offload, rl.residency); --profile runs one more step under torch.profiler and
-adds its kernel table per phase (tools/profiling.py) as "profile".
+adds its kernel table per phase (tools/profiling.py) as "profile"; --host-profile one more under
+cProfile and CUDA's sync debug mode ("host_profile": functions by host time, synchronising lines).
     python tools/bench_ppo.py --tiny          # CPU smoke run (stories260k, keyword prompts)
     python tools/bench_ppo.py --prepare DIR [--workload ...]   # model + prompts in DIR, and
         # DIR/overrides.txt: launch/ppo.py's arguments for the same run (torchrun, several GPUs)
@@ -68,7 +70,7 @@ from hybridengine.rl.memory import (device_budget, memory_errors, memory_report,
                                     plan_run_memory, resolve_auto_offload)
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
-from profiling import profile_ranges  # noqa: E402
+from profiling import host_diagnosis, profile_ranges  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_actor",
@@ -168,7 +170,7 @@ def overrides(args, model_dir: Path, data: Path, out: Path, val: Path | None = N
           f"actor_rollout_ref.actor.ppo_mini_batch_size={64 if ppo else 32}",
           "trainer.val_before_train=false", f"trainer.test_freq={args.val_every or -1}",
           "trainer.save_freq=-1",
-          f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile)}",
+          f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile) + int(args.host_profile)}",
           f"trainer.default_local_dir={out}", "trainer.logger=['console']"]
     if not args.defaults:
         ov += ["actor_rollout_ref.rollout.enforce_eager=false",
@@ -177,10 +179,12 @@ def overrides(args, model_dir: Path, data: Path, out: Path, val: Path | None = N
                f"actor_rollout_ref.actor.use_torch_compile={str(args.train_compile).lower()}",
                "actor_rollout_ref.actor.use_dynamic_bsz=true",
                f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_tokens}",
-               f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * args.max_tokens}"]
+               f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * args.max_tokens}",
+               f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={2 * args.max_tokens}"]
     if ppo:
         ov += [f"critic.model.path={model_dir}", "algorithm.adv_estimator=gae"]
-        ov += [] if args.defaults else [f"critic.ppo_max_token_len_per_gpu={args.max_tokens}"]
+        ov += [] if args.defaults else [f"critic.ppo_max_token_len_per_gpu={args.max_tokens}",
+                                        f"critic.forward_max_token_len_per_gpu={2 * args.max_tokens}"]
     else:
         ov += ["--config", str(ROOT / "configs" / "grpo.yaml")]
     return ov
@@ -192,7 +196,7 @@ def tiny_overrides(args, out: Path) -> list[str]:
             f"data.train_files={ROOT / 'data' / 'stories_keywords' / 'train.jsonl'}",
             "data.val_files=null", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
             "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-            f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile)}",
+            f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile) + int(args.host_profile)}",
             f"trainer.default_local_dir={out}"]
 
 
@@ -424,6 +428,12 @@ def run(args) -> dict:
             PHASES)
         log("profiled one more step: " + ", ".join(
             f"{k} {v['kernel_ms']:.0f} ms" for k, v in profile.items()))
+        step += 1
+    host = None
+    if args.host_profile:
+        host = host_diagnosis(
+            lambda: trainer.train_step(step + 1, next(batches), lambda: next(batches, None)))
+        log(f"host profile of one more step: {sum(host['syncs'].values())} synchronising calls")
     shutil.rmtree(work, ignore_errors=True)
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -442,7 +452,8 @@ def run(args) -> dict:
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
             "val_s": val_s, "mean": mean, "steps": steps,
             **memory_check(trainer, peak_gb, phase_gb),
-            **({"profile": profile} if profile is not None else {})}
+            **({"profile": profile} if profile is not None else {}),
+            **({"host_profile": host} if host is not None else {})}
 
 
 def main():
@@ -469,6 +480,9 @@ def main():
                     help="a LoRA actor of this rank (actor_rollout_ref.model.lora_rank)")
     ap.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x --lora")
     ap.add_argument("--profile", action="store_true", help="kernel table per phase of a step")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="one more step under cProfile and CUDA's sync debug mode: the host's "
+                         "time by function and the lines that wait for the device")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more config override (repeatable)")
     ap.add_argument("--prepare", metavar="DIR", help="write model, prompts, overrides; no steps")

@@ -20,6 +20,7 @@ import bisect
 import re
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -244,3 +245,53 @@ def kernel_table(prof, ranges: Iterable[str], top: int = 12) -> dict:
             out[owner]["host_ms"] = {k: [round(ms, 3), n] for k, (ms, n) in
                                      sorted(host[owner].items(), key=lambda kv: -kv[1][0])}
     return out
+
+
+def host_diagnosis(fn, top: int = 30, stack_depth: int = 4) -> dict:
+    """fn() once under cProfile and, on CUDA, torch's sync debug mode: where the host's time
+    goes (functions by own time and by cumulative time, ms and calls) and which Python lines
+    made the host wait for the device (a synchronising CUDA call: an .item(), a device-to-host
+    copy, a nonzero), each with its `stack_depth` innermost callers and a count. A host-bound
+    phase's cure depends on which of the two it is: work per call, or a wait that empties the
+    device's queue."""
+    import cProfile
+    import pstats
+    import traceback
+    import warnings
+
+    syncs: dict[str, int] = defaultdict(int)
+    cuda = torch.cuda.is_available()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = traceback.extract_stack()[:-1]
+        # the innermost frames outside torch and warnings: the caller that synchronised
+        ours = [f for f in frames if "/torch/" not in f.filename and "warnings" not in f.filename]
+        key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})"
+                          for f in reversed(ours[-stack_depth:]))
+        syncs[key] += 1
+
+    profiler = cProfile.Profile()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown, warnings.showwarning = warnings.showwarning, record
+        try:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            profiler.enable()
+            fn()
+            profiler.disable()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    stats = pstats.Stats(profiler).stats      # {(file, line, name): (cc, nc, tt, ct, callers)}
+
+    def rows(index):
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][index])[:top]
+        return [[f"{Path(f).name}:{line}({name})", nc, round(tt * 1e3, 2), round(ct * 1e3, 2)]
+                for (f, line, name), (_, nc, tt, ct, _) in ranked]
+    return {"columns": ["function", "calls", "own_ms", "cumulative_ms"],
+            "by_own_time": rows(2), "by_cumulative_time": rows(3),
+            "syncs": dict(sorted(syncs.items(), key=lambda kv: -kv[1])[:top])}
