@@ -68,13 +68,8 @@ def _grad(ctx, grad, _grad_lse):
 varlen_rule.register_autograd(_grad, setup_context=_setup)
 
 
-def _cuda_rule_attention(repeats_kv: bool):
-    def attend(self, layer_idx, q, k, v, spec=None):
-        if repeats_kv:          # models.attention's training path on a torch without enable_gqa
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return varlen_rule(q, k, v, self.cu)[0]
-    return attend
+def _cuda_rule_attention(self, layer_idx, q, k, v, spec=None):
+    return varlen_rule(q, k, v, self.cu)[0]
 
 
 def _layer_saved_bytes(model: Decoder, packed: PackedInput) -> int:
@@ -109,9 +104,9 @@ def inductor():
         pytest.skip("inductor cannot compile on this machine")
 
 
-def _measure(cfg: ModelConfig, compiled: bool, repeats_kv: bool, monkeypatch) -> float:
+def _measure(cfg: ModelConfig, compiled: bool, monkeypatch) -> float:
     """Elements per token one bf16 layer saves, by the CUDA rule for attention."""
-    monkeypatch.setattr(PackedCausalAttention, "attend", _cuda_rule_attention(repeats_kv))
+    monkeypatch.setattr(PackedCausalAttention, "attend", _cuda_rule_attention)
     torch.manual_seed(0)
     model = Decoder(cfg, dtype=torch.bfloat16).train()
     if compiled:
@@ -125,28 +120,16 @@ def _measure(cfg: ModelConfig, compiled: bool, repeats_kv: bool, monkeypatch) ->
     return saved / T / cfg.num_layers / 2
 
 
-@pytest.mark.parametrize("name,repeats_kv", [("qwen2", False), ("qwen3", False),
-                                             ("gemma3", True)])
-def test_compiled_layer_saves_the_compiled_estimate(name, repeats_kv, inductor, monkeypatch,
-                                                    one_thread):
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
+def test_compiled_layer_saves_the_compiled_estimate(name, inductor, monkeypatch, one_thread):
     """Inductor's partitioner keeps what backward's matmuls read and recomputes the pointwise
     ops between: a_compiled, about 0.65-0.8 of the eager count, within 5% of what it saves."""
     cfg = ModelConfig(vocab_size=256, num_layers=1, tie_word_embeddings=True, **SHAPES[name])
-    measured = _measure(cfg, True, repeats_kv, monkeypatch)
-    est = layer_activation_elements(cfg, 1, False, compiled=True, repeats_kv=repeats_kv)
+    measured = _measure(cfg, True, monkeypatch)
+    est = layer_activation_elements(cfg, 1, False, compiled=True)
     print(f"{name} compiled: estimate {est:.0f}, saved {measured:.1f} elements per token")
     assert abs(est / measured - 1) < TOL
-    assert est < layer_activation_elements(cfg, 1, False, repeats_kv=repeats_kv)
-
-
-@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
-def test_repeated_kv_adds_q_minus_2kv_to_the_eager_count(name, monkeypatch, one_thread):
-    """Eager bf16 (the CPU's composite norms save fp32 copies beside: the difference is exact)."""
-    cfg = ModelConfig(vocab_size=256, num_layers=1, tie_word_embeddings=True, **SHAPES[name])
-    diff = _measure(cfg, False, True, monkeypatch) - _measure(cfg, False, False, monkeypatch)
-    est = (layer_activation_elements(cfg, 1, False, repeats_kv=True)
-           - layer_activation_elements(cfg, 1, False))
-    assert diff == est == (cfg.num_heads - 2 * cfg.num_kv_heads) * cfg.head_dim
+    assert est < layer_activation_elements(cfg, 1, False)
 
 
 def test_the_plan_counts_compiled_layers_where_the_role_compiles():
@@ -158,7 +141,7 @@ def test_the_plan_counts_compiled_layers_where_the_role_compiles():
     assert compiled.fwd_activations == eager.fwd_activations     # forward-only: eager count
     assert rl_memory._compiled(dataclasses.make_dataclass("R", ["use_torch_compile"])(True),
                                torch.device("cuda")) == \
-        {"compiled": True, "repeats_kv": attention.REPEATS_KV_IN_TRAINING}
+        {"compiled": True}
     assert not any(rl_memory._compiled(
         dataclasses.make_dataclass("R", ["use_torch_compile"])(True), torch.device("cpu"))
         .values())
@@ -173,7 +156,7 @@ def test_eager_gemma_layer_saves_the_estimate_with_its_fp32_norms(monkeypatch, o
     """Gemma's (1 + w) norms are an fp32 composite on every device (CPU and CUDA save the same):
     the eager bf16 count with them, by the CUDA rule for attention, within 5%."""
     cfg = ModelConfig(**GEMMA2)
-    measured = _measure(cfg, False, False, monkeypatch)
+    measured = _measure(cfg, False, monkeypatch)
     est = layer_activation_elements(cfg, 1, False)
     print(f"gemma2 eager: estimate {est:.0f}, saved {measured:.1f} elements per token")
     assert abs(est / measured - 1) < TOL

@@ -14,7 +14,6 @@ models.spec_attention (torch, sequences in padded groups, its own recomputing ba
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -23,14 +22,6 @@ import torch.nn.functional as F
 from hybridengine.models.features import AttentionSpec
 from hybridengine.models.spec_attention import spec_attention
 
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn, _VARLEN_GQA = None, False
-# training's packed attention on CUDA repeats K/V up to the query heads (GQA): autograd then keeps
-# the repeated k and v (train.activation_memory counts them)
-REPEATS_KV_IN_TRAINING = _varlen_attn is not None and not _VARLEN_GQA
 
 
 @dataclass
@@ -197,8 +188,7 @@ class PackedCausalAttention:
         self._bounds = None
 
     def attend(self, layer_idx: int, q, k, v, spec: AttentionSpec | None = None) -> torch.Tensor:
-        flash = q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16,
-                                                                       torch.bfloat16)
+        flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
         if spec is not None:
             if flash and spec.softcap is None:
                 return self._varlen(q, k, v, spec)
@@ -208,26 +198,19 @@ class PackedCausalAttention:
         return self._per_sequence(q, k, v)
 
     def _varlen(self, q, k, v, spec: AttentionSpec | None = None):
+        """Flash attention over the packed sequences, fewer K/V heads taken natively (GQA).
+        aten's op, not torch.nn.attention.varlen_attn: it carries its own autograd formula
+        (the flash backward), where varlen_attn is a Python custom op costing ~0.2 ms of host
+        time a call (1,289 calls a PPO seed step: ~0.29 s of a host-bound update's time on an
+        H200's host, bench/RESULTS.md session 23) and, without enable_gqa (torch 2.11),
+        repeated K/V up to the query heads in training (kernels, and saved activations)."""
         kw = {}
         if spec is not None:    # the window counts the query's own token: flash's left is W - 1
-            kw = {"scale": spec.scale,
-                  "window_size": (-1 if spec.window is None else spec.window - 1, 0)}
-        if not _VARLEN_GQA and k.shape[1] != q.shape[1]:
-            if spec is None and not (torch.is_grad_enabled() and
-                                     (q.requires_grad or k.requires_grad)):
-                # a torch whose varlen_attn lacks enable_gqa (2.11): the aten flash kernel it
-                # wraps takes fewer K/V heads natively, so inference (the rollout's prefill)
-                # repeats no K/V (on an H200 the repeat cost 4 ms of a 0.25 s prefill);
-                # training keeps varlen_attn, whose autograd this bypasses
-                return torch.ops.aten._flash_attention_forward(
-                    q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen, 0.0, True,
-                    False)[0]
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        kw.setdefault("window_size", (-1, 0))
-        if _VARLEN_GQA:
-            kw["enable_gqa"] = True
-        return _varlen_attn(q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen, **kw)
+            kw = {"scale": spec.scale, "window_size_right": 0,
+                  "window_size_left": -1 if spec.window is None else spec.window - 1}
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, self.cu, self.cu, self.max_seqlen, self.max_seqlen, 0.0, True, False,
+            **kw)[0]
 
     def _per_sequence(self, q, k, v):
         if torch.compiler.is_compiling():

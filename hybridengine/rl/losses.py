@@ -78,7 +78,12 @@ def agg_loss(
         scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
         return masked_sum(loss_mat, loss_mask) / scale
     normalizer = loss_normalizer(loss_mask, loss_agg_mode) if global_normalizer is None else global_normalizer
-    denom = torch.as_tensor(normalizer, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
+    if isinstance(normalizer, torch.Tensor):
+        denom = normalizer.to(device=loss_mat.device, dtype=loss_mat.dtype)
+    else:   # a number: filled in on the device (as_tensor copies it there and waits for the
+        # device: a sync per micro-batch loss, which kept the host from queueing ahead)
+        denom = torch.full((), normalizer, dtype=loss_mat.dtype, device=loss_mat.device)
+    denom = denom.clamp(min=1)
     if loss_agg_mode == "token-mean":
         return masked_sum(loss_mat, loss_mask) / denom
     seq_sums = masked_sum(loss_mat, loss_mask, axis=-1)  # [B]

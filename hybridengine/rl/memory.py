@@ -18,7 +18,6 @@ import torch
 
 from hybridengine.config import uses_critic, uses_reference
 from hybridengine.hybrid.generator import max_prefill_tokens
-from hybridengine.models.attention import REPEATS_KV_IN_TRAINING
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
@@ -62,11 +61,10 @@ def _trained_offload(megatron) -> tuple[str, ...]:
 
 def _compiled(role, device: torch.device) -> dict:
     """RoleSpec's fields of what autograd saves in a role's training: its decoder layers
-    compiled (use_torch_compile; the engine compiles on CUDA only) and K/V repeated by CUDA's
-    attention."""
+    compiled (use_torch_compile; the engine compiles on CUDA only). CUDA's flash attention
+    takes fewer K/V heads as they are (models.attention): nothing repeated is kept."""
     cuda = device.type == "cuda"
-    return dict(compiled=cuda and bool(role.use_torch_compile),
-                repeats_kv=cuda and REPEATS_KV_IN_TRAINING)
+    return dict(compiled=cuda and bool(role.use_torch_compile))
 
 
 def _lora_spec(model) -> dict:

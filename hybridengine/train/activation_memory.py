@@ -21,10 +21,9 @@ backward matmul reads anyway and recomputes the pointwise ops between):
       qkv, rotated q/k (their swap recomputed), attention output, gate/up and their product
       (silu(gate) recomputed), cos/sin; + 0 with q/k norms (their outputs recomputed from qkv),
       + H/s with Gemma's sandwich norms (the MLP output, the post-MLP norm's input).
-Both: + (q − 2kv) where training attention repeats K/V up to the query heads (a varlen_attn
-without enable_gqa, torch 2.11: models.attention.REPEATS_KV_IN_TRAINING): the repeated k and v,
-q each, are saved instead of qkv; compiled with q/k norms + 2q (qkv stays, for the norms'
-recomputation). Not counted: fp32 statistics (a norm's rstd, the logsumexp:
+Both: K/V as the layer has them (CUDA's flash attention takes fewer K/V heads natively; until
+session 23 training repeated them up to the query heads on torch 2.11, keeping q − 2kv more a
+token). Not counted: fp32 statistics (a norm's rstd, the logsumexp:
 4/b per norm and head, < 0.3% of `a` at Qwen2.5-0.5B).
 Soft-capped attention (Gemma 2; no flash kernel caps scores): models.spec_attention's op keeps
 q, k and v, as flash does (its backward recomputes the scores; nothing of size n² per sequence
@@ -43,10 +42,10 @@ from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.spec_attention import GROUP_SCORE_ELEMENTS
 
 
-def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool, compiled: bool = False,
-                              repeats_kv: bool = False) -> float:
+def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool,
+                              compiled: bool = False) -> float:
     """a (eager) or a_compiled (compiled): elements per token one decoder layer saves for
-    backward (module docstring); repeats_kv: the training attention repeats K/V (GQA)."""
+    backward (module docstring)."""
     h, d, s = cfg.hidden_size, cfg.head_dim, tp if sp else 1
     q, kv, i = cfg.num_heads * d / tp, cfg.num_kv_heads * d / tp, cfg.intermediate_size / tp
     if compiled:
@@ -59,8 +58,6 @@ def layer_activation_elements(cfg: ModelConfig, tp: int, sp: bool, compiled: boo
             sandwich
         if cfg.gemma:       # each GemmaRMSNorm keeps fp32 x and x·rstd: 4 units, not 1
             a += 3 * (4 * h / s + qk_norm)
-    if repeats_kv and kv < q:
-        a += 2 * q if compiled and cfg.qk_norm else q - 2 * kv
     return a
 
 

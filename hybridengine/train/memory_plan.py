@@ -90,7 +90,6 @@ class RoleSpec:
     recompute: bool = False
     host_step: bool = False                 # optimizer_offload=host_step (train/host_step.py)
     compiled: bool = False                  # training runs compiled decoder layers (CUDA)
-    repeats_kv: bool = False                # training attention repeats K/V (GQA, torch 2.11)
     train_tokens: int = 16384
     forward_tokens: int | None = None
     lora_rank: int = 0                      # > 0: the optimizer holds these adapters only
@@ -199,9 +198,8 @@ def role_memory(spec: RoleSpec, pp_rank: int) -> RoleMemory:
             # the activations, whose place they take below
             step_shards, host_state, master = master // g * b, 3 * master, 0
     s = lay.tp if lay.sequence_parallel else 1
-    a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel, spec.compiled,
-                                  spec.repeats_kv)
-    # a forward-only layer's working set: bounded by the eager count (without grad no K/V repeat)
+    a = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel, spec.compiled)
+    # a forward-only layer's working set: bounded by the eager count
     a_fwd = layer_activation_elements(cfg, lay.tp, lay.sequence_parallel)
     layers = len(range(*stage_layers(cfg.num_layers, lay.pp, pp_rank)))
     T, Tf = (-(-t // lay.cp) for t in (spec.train_tokens, spec.forward_tokens or
