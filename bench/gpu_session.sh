@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: realtext paged paged_ppo trl tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: realtext paged paged_ppo ppo_ab trl tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -134,6 +134,14 @@ for p in $parts; do case $p in
            T=${T:-600} run grpo_fixed${TAG:-} python3 tools/bench_ppo.py --workload fixed --algo grpo $fast $data $how
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
+  ppo_ab)  # issue 27's before/after in one call: the `ppo` runs named in AB_RUNS (default
+           # ppo_seed) first from .before/ (an earlier commit's code: BEFORE=REV bash
+           # bench/prepare_carry.sh, carried as .before), then from this tree; PPO_STEPS timed
+           # steps each, no profile (PPO_PROFILE to add one)
+           for d in .benchdata .whl .compile_cache; do ln -sfn "../$d" ".before/$d"; done
+           (cd .before && TAG=_before PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
+              bash ../bench/gpu_session.sh ppo)
+           PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" bash bench/gpu_session.sh ppo ;;
   paged)   # issue 25, one GPU: the paged KV layout against the static one (the `static`
            # variant, same process), compiled, CUDA graphs: the short benchmark (256 x 512 + 256),
            # GRPO-shaped (32 prompts x n 8: one prefill per prompt), long responses (lognormal,

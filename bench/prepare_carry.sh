@@ -5,7 +5,10 @@
 #   .whl/        pure-Python wheels the GPU machine lacks: omegaconf (+ antlr4 runtime, built from
 #                its sdist); with TRL=1 also trl 1.16.0, datasets, dill, multiprocess (the `trl` part)
 #   .compile_cache/  made by a device call, not here: copy a call's $OUT/compile_cache.tgz.part-*
-# Usage, from the repo root: bash bench/prepare_carry.sh   (TRL=1 bash bench/prepare_carry.sh)
+#   .before/     with BEFORE=REV: the code of commit REV (hybridengine, csrc, tools, configs,
+#                launch), for gpu_session.sh's `ppo_ab` part: a change's before and after in one call
+# Usage, from the repo root: bash bench/prepare_carry.sh   (TRL=1 bash bench/prepare_carry.sh,
+#   BEFORE=HEAD~1 bash bench/prepare_carry.sh)
 set -euo pipefail
 shared=${SHARED:-../shared}
 mkdir -p .benchdata .whl .compile_cache
@@ -22,4 +25,9 @@ if [ -n "${TRL:-}" ]; then
   pip download -q --no-deps --only-binary=:all: --python-version 3.12 trl==1.16.0 datasets dill multiprocess
 fi
 cd ..
+if [ -n "${BEFORE:-}" ]; then
+  rm -rf .before && mkdir .before
+  git archive "$BEFORE" hybridengine csrc tools configs launch | tar -x -C .before
+  du -sh .before
+fi
 du -sh .benchdata .whl
