@@ -170,7 +170,7 @@ def overrides(args, model_dir: Path, data: Path, out: Path, val: Path | None = N
           f"actor_rollout_ref.actor.ppo_mini_batch_size={64 if ppo else 32}",
           "trainer.val_before_train=false", f"trainer.test_freq={args.val_every or -1}",
           "trainer.save_freq=-1",
-          f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile) + int(args.host_profile)}",
+          f"trainer.total_training_steps={total_steps(args)}",
           f"trainer.default_local_dir={out}", "trainer.logger=['console']"]
     if not args.defaults:
         ov += ["actor_rollout_ref.rollout.enforce_eager=false",
@@ -190,13 +190,18 @@ def overrides(args, model_dir: Path, data: Path, out: Path, val: Path | None = N
     return ov
 
 
+def total_steps(args) -> int:
+    """Warm-up and timed steps, and one more for each diagnosis (--profile, --host-profile)."""
+    return args.warmup + args.steps + int(args.profile) + int(args.host_profile)
+
+
 def tiny_overrides(args, out: Path) -> list[str]:
     return ["--config", str(ROOT / "configs" / "tiny.yaml"),
             f"actor_rollout_ref.model.path={ROOT / 'models' / 'stories260k'}",
             f"data.train_files={ROOT / 'data' / 'stories_keywords' / 'train.jsonl'}",
             "data.val_files=null", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
             "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-            f"trainer.total_training_steps={args.warmup + args.steps + int(args.profile) + int(args.host_profile)}",
+            f"trainer.total_training_steps={total_steps(args)}",
             f"trainer.default_local_dir={out}"]
 
 
@@ -421,18 +426,18 @@ def run(args) -> dict:
             trainer.validate()
             val_s[step] = time.perf_counter() - t0
             log(f"validation after step {step}: {val_s[step]:.2f} s")
+    extra_steps = itertools.count(step + 1)      # the untimed, diagnosed steps after them
+
+    def one_more_step():
+        return trainer.train_step(next(extra_steps), next(batches), lambda: next(batches, None))
     profile = None
     if args.profile:
-        profile = profile_ranges(
-            lambda: trainer.train_step(step + 1, next(batches), lambda: next(batches, None)),
-            PHASES)
+        profile = profile_ranges(one_more_step, PHASES)
         log("profiled one more step: " + ", ".join(
             f"{k} {v['kernel_ms']:.0f} ms" for k, v in profile.items()))
-        step += 1
     host = None
     if args.host_profile:
-        host = host_diagnosis(
-            lambda: trainer.train_step(step + 1, next(batches), lambda: next(batches, None)))
+        host = host_diagnosis(one_more_step)
         log(f"host profile of one more step: {sum(host['syncs'].values())} synchronising calls")
     shutil.rmtree(work, ignore_errors=True)
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}

@@ -281,8 +281,8 @@ def host_diagnosis(fn, top: int = 30, stack_depth: int = 4) -> dict:
                 torch.cuda.set_sync_debug_mode("warn")
             profiler.enable()
             fn()
-            profiler.disable()
         finally:
+            profiler.disable()
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = shown
