@@ -200,3 +200,19 @@ def test_rollout_compiles_a_bounded_set_of_graphs_on_cuda():
     # every compiled frame, in the report of a failure (captured output is never truncated)
     print("\n".join(describe(r) for r in _records() if not _runtime(r)))
     assert first == last <= MAX_COMPILED_GRAPHS and late == [], (first, last, late)
+
+
+def test_training_inductor_options_take_the_environment_override(monkeypatch):
+    """The training layers' inductor options: the C++ wrapper on by default; the benchmarks'
+    HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (a JSON object) overrides or adds, and anything else is
+    one error naming the variable."""
+    from hybridengine.train.engine import TRAIN_INDUCTOR_OPTIONS_ENV, training_inductor_options
+    monkeypatch.delenv(TRAIN_INDUCTOR_OPTIONS_ENV, raising=False)
+    assert training_inductor_options()["cpp_wrapper"] is True
+    monkeypatch.setenv(TRAIN_INDUCTOR_OPTIONS_ENV, '{"cpp_wrapper": false, "max_autotune": true}')
+    options = training_inductor_options()
+    assert options["cpp_wrapper"] is False and options["max_autotune"] is True
+    for bad in ("{cpp_wrapper: true}", "[1, 2]"):
+        monkeypatch.setenv(TRAIN_INDUCTOR_OPTIONS_ENV, bad)
+        with pytest.raises(ValueError, match=TRAIN_INDUCTOR_OPTIONS_ENV):
+            training_inductor_options()

@@ -20,6 +20,8 @@ micro-batch's share of the batch loss (the DP reduction sums gradients).
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -377,7 +379,28 @@ def training_inductor_options() -> dict:
     with T dynamic that choice becomes a guard on T (576*T < 5242880 at hidden 576), so a
     micro-batch that crossed it compiled the layers again mid-run (0.7-2.7 s at steps 3 and 21
     of SmolLM2 GRPO runs on an H200, bench/RESULTS.md 2026-12-01 session 12). Off, the layers
-    keep one graph per grad mode whatever the micro-batches' lengths."""
+    keep one graph per grad mode whatever the micro-batches' lengths.
+
+    Inductor's C++ wrapper (`cpp_wrapper`): the layers' generated code calls their kernels from
+    C++ instead of Python. The updates are host-bound (a layer's forward and backward spend more
+    host time than kernel time: bench/RESULTS.md session 23) and a Triton launch from inductor's
+    Python wrapper costs ~25 us; the C++ wrapper costs a one-time compile of the wrapper
+    (~80 s at 0.5B on an H200, cached with inductor's other artefacts).
+    HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (JSON) overrides or adds options, for experiments."""
     from torch._inductor import config
-    return {"triton.mix_order_reduction": False} \
+    options = {"triton.mix_order_reduction": False} \
         if hasattr(config.triton, "mix_order_reduction") else {}
+    options["cpp_wrapper"] = True
+    extra = os.environ.get(TRAIN_INDUCTOR_OPTIONS_ENV, "").strip()
+    if extra:       # benchmarks' experiments, e.g. '{"cpp_wrapper": true}'
+        try:
+            parsed = json.loads(extra)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{TRAIN_INDUCTOR_OPTIONS_ENV}: not a JSON object ({e})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{TRAIN_INDUCTOR_OPTIONS_ENV}: not a JSON object: {extra}")
+        options.update(parsed)
+    return options
+
+
+TRAIN_INDUCTOR_OPTIONS_ENV = "HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS"
