@@ -203,12 +203,18 @@ def test_rollout_compiles_a_bounded_set_of_graphs_on_cuda():
 
 
 def test_training_inductor_options_take_the_environment_override(monkeypatch):
-    """The training layers' inductor options: the C++ wrapper on by default; the benchmarks'
-    HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (a JSON object) overrides or adds, and anything else is
-    one error naming the variable."""
+    """The training layers' inductor options: the C++ wrapper on by default (not with Gemma 2's
+    soft-capped attention); the benchmarks' HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (a JSON object)
+    overrides or adds, and anything else is one error naming the variable."""
     from hybridengine.train.engine import TRAIN_INDUCTOR_OPTIONS_ENV, training_inductor_options
+    from hybridengine.models.decoder import ModelConfig
     monkeypatch.delenv(TRAIN_INDUCTOR_OPTIONS_ENV, raising=False)
     assert training_inductor_options()["cpp_wrapper"] is True
+    plain = ModelConfig(vocab_size=64, num_layers=1, hidden_size=16, intermediate_size=32,
+                        num_heads=2, num_kv_heads=1, head_dim=8)
+    assert training_inductor_options(plain)["cpp_wrapper"] is True
+    capped = replace(plain, attn_softcap=50.0)
+    assert training_inductor_options(capped)["cpp_wrapper"] is False     # Gemma 2: not tried
     monkeypatch.setenv(TRAIN_INDUCTOR_OPTIONS_ENV, '{"cpp_wrapper": false, "max_autotune": true}')
     options = training_inductor_options()
     assert options["cpp_wrapper"] is False and options["max_autotune"] is True

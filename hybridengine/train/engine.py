@@ -368,12 +368,12 @@ def compile_decoder_layers(model: Decoder, backend: str = "inductor") -> None:
     a process compiles one graph per grad mode (forward-only, training) and layer setup (dtype,
     TP / SP), whatever the micro-batches' lengths (tests/test_compile_bound.py). Tests pass
     backend="aot_eager" to run the same setup on the CPU."""
-    options = training_inductor_options() if backend == "inductor" else None
+    options = training_inductor_options(model.config) if backend == "inductor" else None
     for layer in model.layers:
         layer.compile(dynamic=True, backend=backend, options=options)
 
 
-def training_inductor_options() -> dict:
+def training_inductor_options(model_config: ModelConfig | None = None) -> dict:
     """Inductor options of the compiled training layers. Inductor fuses a norm's two backward
     reductions of different loop orders (its mix-order reduction) only above 5 Mi elements;
     with T dynamic that choice becomes a guard on T (576*T < 5242880 at hidden 576), so a
@@ -385,12 +385,15 @@ def training_inductor_options() -> dict:
     C++ instead of Python. The updates are host-bound (a layer's forward and backward spend more
     host time than kernel time: bench/RESULTS.md session 23) and a Triton launch from inductor's
     Python wrapper costs ~25 us; the C++ wrapper costs a one-time compile of the wrapper
-    (~80 s at 0.5B on an H200, cached with inductor's other artefacts).
+    (~80 s at 0.5B on an H200, cached with inductor's other artefacts). Not for soft-capped
+    attention (Gemma 2): its layers call the Python custom op models.spec_attention, which the
+    C++ wrapper reaches through its Python-op bridge, never run on a GPU here (torch 2.11's
+    bridge refused varlen_attn's List[int] argument, bench/RESULTS.md session 23).
     HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (JSON) overrides or adds options, for experiments."""
     from torch._inductor import config
     options = {"triton.mix_order_reduction": False} \
         if hasattr(config.triton, "mix_order_reduction") else {}
-    options["cpp_wrapper"] = True
+    options["cpp_wrapper"] = model_config is None or model_config.attn_softcap is None
     extra = os.environ.get(TRAIN_INDUCTOR_OPTIONS_ENV, "").strip()
     if extra:       # benchmarks' experiments, e.g. '{"cpp_wrapper": true}'
         try:
