@@ -135,13 +135,21 @@ for p in $parts; do case $p in
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
   ppo_ab)  # issue 27's before/after in one call: the `ppo` runs named in AB_RUNS (default
-           # ppo_seed) first from .before/ (an earlier commit's code: BEFORE=REV bash
-           # bench/prepare_carry.sh, carried as .before), then from this tree; PPO_STEPS timed
-           # steps each, no profile (PPO_PROFILE to add one)
+           # ppo_seed) from .before/ (an earlier commit's code: BEFORE=REV bash
+           # bench/prepare_carry.sh, carried as .before) and from this tree, in AB_ORDER (b:
+           # before, a: this tree; default ba; runs named <run>_before<i> / <run>_after<i>, i the
+           # position). A machine can drift within a call (session 24: a second run 14% slower in
+           # phases neither commit touched): abba puts each version first once.
+           # PPO_STEPS timed steps each, no profile (PPO_PROFILE to add one)
            for d in .benchdata .whl .compile_cache; do ln -sfn "../$d" ".before/$d"; done
-           (cd .before && TAG=_before PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
-              bash ../bench/gpu_session.sh ppo)
-           PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" bash bench/gpu_session.sh ppo ;;
+           order=${AB_ORDER:-ba}
+           for (( i = 0; i < ${#order}; i++ )); do case ${order:i:1} in
+             b) (cd .before && TAG=_before$((i + 1)) PPO_PROFILE=${PPO_PROFILE-} \
+                   ONLY="${AB_RUNS:-ppo_seed}" bash ../bench/gpu_session.sh ppo) ;;
+             a) TAG=_after$((i + 1)) PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
+                  bash bench/gpu_session.sh ppo ;;
+             *) echo "AB_ORDER: b (before) or a (after), not '${order:i:1}'" | tee -a "$RES/session.log" ;;
+           esac; done ;;
   paged)   # issue 25, one GPU: the paged KV layout against the static one (the `static`
            # variant, same process), compiled, CUDA graphs: the short benchmark (256 x 512 + 256),
            # GRPO-shaped (32 prompts x n 8: one prefill per prompt), long responses (lognormal,
