@@ -384,11 +384,13 @@ def training_inductor_options(model_config: ModelConfig | None = None) -> dict:
     Inductor's C++ wrapper (`cpp_wrapper`): the layers' generated code calls their kernels from
     C++ instead of Python. The updates are host-bound (a layer's forward and backward spend more
     host time than kernel time: bench/RESULTS.md session 23) and a Triton launch from inductor's
-    Python wrapper costs ~25 us; the C++ wrapper costs a one-time compile of the wrapper
-    (~80 s at 0.5B on an H200, cached with inductor's other artefacts). Not for soft-capped
-    attention (Gemma 2): its layers call the Python custom op models.spec_attention, which the
-    C++ wrapper reaches through its Python-op bridge, never run on a GPU here (torch 2.11's
-    bridge refused varlen_attn's List[int] argument, bench/RESULTS.md session 23).
+    Python wrapper costs ~25 us (PPO seed step 38.2k against 36.2k tok/s, session 24). Its cost
+    is the wrapper's C++ compile: the PPO seed step's compile took 128 s cold on an H200 against
+    48 s with the Python wrapper's cache warm (its artefacts go to inductor's cache as the
+    others do; a warm C++ start is not timed yet). Not for soft-capped attention (Gemma 2): its
+    layers call the Python custom op models.spec_attention, which the C++ wrapper reaches
+    through its Python-op bridge, never run on a GPU here (torch 2.11's bridge refused
+    varlen_attn's List[int] argument, bench/RESULTS.md session 23).
     HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (JSON) overrides or adds options, for experiments."""
     from torch._inductor import config
     options = {"triton.mix_order_reduction": False} \
