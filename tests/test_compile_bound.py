@@ -215,6 +215,7 @@ def test_training_inductor_options_take_the_environment_override(monkeypatch):
     assert training_inductor_options(plain)["cpp_wrapper"] is True
     capped = replace(plain, attn_softcap=50.0)
     assert training_inductor_options(capped)["cpp_wrapper"] is False     # Gemma 2: not tried
+    assert training_inductor_options(plain, cuda=False)["cpp_wrapper"] is False
     monkeypatch.setenv(TRAIN_INDUCTOR_OPTIONS_ENV, '{"cpp_wrapper": false, "max_autotune": true}')
     options = training_inductor_options()
     assert options["cpp_wrapper"] is False and options["max_autotune"] is True

@@ -368,12 +368,14 @@ def compile_decoder_layers(model: Decoder, backend: str = "inductor") -> None:
     a process compiles one graph per grad mode (forward-only, training) and layer setup (dtype,
     TP / SP), whatever the micro-batches' lengths (tests/test_compile_bound.py). Tests pass
     backend="aot_eager" to run the same setup on the CPU."""
-    options = training_inductor_options(model.config) if backend == "inductor" else None
+    cuda = next(model.parameters()).is_cuda
+    options = training_inductor_options(model.cfg, cuda) if backend == "inductor" else None
     for layer in model.layers:
         layer.compile(dynamic=True, backend=backend, options=options)
 
 
-def training_inductor_options(model_config: ModelConfig | None = None) -> dict:
+def training_inductor_options(model_config: ModelConfig | None = None,
+                              cuda: bool = True) -> dict:
     """Inductor options of the compiled training layers. Inductor fuses a norm's two backward
     reductions of different loop orders (its mix-order reduction) only above 5 Mi elements;
     with T dynamic that choice becomes a guard on T (576*T < 5242880 at hidden 576), so a
@@ -381,7 +383,8 @@ def training_inductor_options(model_config: ModelConfig | None = None) -> dict:
     of SmolLM2 GRPO runs on an H200, bench/RESULTS.md 2026-12-01 session 12). Off, the layers
     keep one graph per grad mode whatever the micro-batches' lengths.
 
-    Inductor's C++ wrapper (`cpp_wrapper`): the layers' generated code calls their kernels from
+    Inductor's C++ wrapper (`cpp_wrapper`, CUDA only: the engine compiles on CUDA; the CPU's
+    compiled-layer tests keep the Python wrapper): the layers' generated code calls kernels from
     C++ instead of Python. The updates are host-bound (a layer's forward and backward spend more
     host time than kernel time: bench/RESULTS.md session 23) and a Triton launch from inductor's
     Python wrapper costs ~25 us (PPO seed step 38.2k against 36.2k tok/s, session 24). Its cost
@@ -395,7 +398,7 @@ def training_inductor_options(model_config: ModelConfig | None = None) -> dict:
     from torch._inductor import config
     options = {"triton.mix_order_reduction": False} \
         if hasattr(config.triton, "mix_order_reduction") else {}
-    options["cpp_wrapper"] = model_config is None or model_config.attn_softcap is None
+    options["cpp_wrapper"] = cuda and (model_config is None or model_config.attn_softcap is None)
     extra = os.environ.get(TRAIN_INDUCTOR_OPTIONS_ENV, "").strip()
     if extra:       # benchmarks' experiments, e.g. '{"cpp_wrapper": true}'
         try:
