@@ -19,19 +19,7 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# The slowest files first (CI's durations, session 24): pytest-xdist's --dist loadfile hands out
-# files in collection order, so the two workers end together instead of one running the last
-# heavy file alone. Order only: every test still runs, each file's tests in their own order.
-SLOW_FILES_FIRST = ("test_vllm_e2e.py", "test_rollout.py", "test_model_families_e2e.py",
-                    "test_vllm.py", "test_context_parallel_ppo.py", "test_faults.py",
-                    "test_model_parity.py", "test_console.py", "test_rollout_random.py",
-                    "test_bench_ppo.py", "test_multinode.py", "test_paged_engine.py",
-                    "test_gguf.py", "test_ppo_e2e.py", "test_engine.py", "test_vllm_families.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable
     import torch
     if torch.cuda.is_available():
         return
