@@ -24,9 +24,8 @@ setup(
         # gguf: tools/models/gguf_to_hf.py and tests/test_gguf.py (tested with 0.17.1, 0.19.0);
         # accelerate: transformers needs it to load a GGUF model (the test's reference)
         # peft: the LoRA checkpoints' reference loader (tests/test_lora.py; tested with 0.21.2)
-        # pytest-xdist: the suite in two worker processes (README's test command; tested 3.8.0)
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "triton>=3.1; platform_system == 'Linux'",
-                 "gguf>=0.17,<0.20", "accelerate>=1.0", "peft>=0.17"],
+        "test": ["pytest>=8", "triton>=3.1; platform_system == 'Linux'", "gguf>=0.17,<0.20",
+                 "accelerate>=1.0", "peft>=0.17"],
         # The vLLM rollout backend (actor_rollout_ref.rollout.name=vllm), at the version it is
         # tested with. GPU: pip install -e .[vllm]
         "vllm": ["vllm==0.32.0"],

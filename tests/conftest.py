@@ -10,15 +10,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HYBRIDENGINE_NO_PROGRESS", "1")
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (README's `-n 2`) each worker computes with one thread: the workers
-    themselves fill the cores, and two of them at torch's default of one thread a core would
-    contend (tiny tensors run ~50x slower so, one_thread below)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
-        torch.set_num_threads(1)
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():
