@@ -13,7 +13,7 @@ from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.parallel.layout import Layout
 from hybridengine.rl import memory as rl_memory
 from hybridengine.train.activation_memory import layer_activation_elements
-from hybridengine.train.engine import compile_decoder_layers
+from hybridengine.train.compile_layers import compile_decoder_layers
 from hybridengine.train.memory_plan import RoleSpec, role_memory
 
 TOL = 0.05

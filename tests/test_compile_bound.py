@@ -124,7 +124,8 @@ def _training_graphs(model, device: str, compile_backend: str | None) -> int:
     training micro-batches of varying T (one sequence, two tokens, many sequences; with
     activation recomputation every other step). compile_backend: compile the layers as the
     engine does, with that backend (None: the engine's own setup, CUDA only)."""
-    from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine, compile_decoder_layers
+    from hybridengine.train.compile_layers import compile_decoder_layers
+    from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine
     from hybridengine.models.attention import PackedInput
     from hybridengine.parallel.layout import Layout
     from hybridengine.parallel.mesh import build_mesh
@@ -206,7 +207,8 @@ def test_training_inductor_options_take_the_environment_override(monkeypatch):
     """The training layers' inductor options: the C++ wrapper on by default (not with Gemma 2's
     soft-capped attention); the benchmarks' HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (a JSON object)
     overrides or adds, and anything else is one error naming the variable."""
-    from hybridengine.train.engine import TRAIN_INDUCTOR_OPTIONS_ENV, training_inductor_options
+    from hybridengine.train.compile_layers import (TRAIN_INDUCTOR_OPTIONS_ENV,
+                                                   training_inductor_options)
     from hybridengine.models.decoder import ModelConfig
     monkeypatch.delenv(TRAIN_INDUCTOR_OPTIONS_ENV, raising=False)
     assert training_inductor_options()["cpp_wrapper"] is True

@@ -14,7 +14,7 @@ Eager autograd:
       device) keep the fp32 input and the fp32 x·rstd instead of their input: + 3·(4H/s + q +
       kv) (the q/k norms: Gemma 3). The CPU kernels save a little more (fp32 copies in torch's
       rms_norm).
-Compiled (train.engine.compile_decoder_layers, inductor's min-cut partitioner: it keeps what a
+Compiled (train.compile_layers.compile_decoder_layers, inductor's min-cut partitioner: it keeps what a
 backward matmul reads anyway and recomputes the pointwise ops between):
   a_compiled = 2H/s + 2H + (q + 2kv) + (q + kv) + q + 3I + 2d: the layer input, o_proj's output
       (the MLP norm's input less the residual), the normed, gathered inputs of qkv and gate_up,

@@ -20,8 +20,6 @@ micro-batch's share of the batch loss (the DP reduction sums gradients).
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
 from hybridengine.models.moe import is_expert_param
 from hybridengine.models.lora import (LoRAConfig, add_lora, is_lora_replicated,
                                       load_peft_adapter, save_peft_adapter)
+from hybridengine.train.compile_layers import compile_decoder_layers
 from hybridengine.train.context_split import CPView, split_for_cp
 from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
@@ -360,55 +359,3 @@ def _mean(values: list, device) -> torch.Tensor:
         return torch.stack([v.reshape(()).to(device, torch.float64) for v in values]).mean()
     return torch.tensor(sum(float(v) for v in values) / len(values), dtype=torch.float64,
                         device=device)
-
-
-def compile_decoder_layers(model: Decoder, backend: str = "inductor") -> None:
-    """torch.compile each decoder layer of `model` in place (actor.use_torch_compile): per layer,
-    dynamic shapes (packed micro-batches change T every call). The layers share their code, so
-    a process compiles one graph per grad mode (forward-only, training) and layer setup (dtype,
-    TP / SP), whatever the micro-batches' lengths (tests/test_compile_bound.py). Tests pass
-    backend="aot_eager" to run the same setup on the CPU."""
-    cuda = next(model.parameters()).is_cuda
-    options = training_inductor_options(model.cfg, cuda) if backend == "inductor" else None
-    for layer in model.layers:
-        layer.compile(dynamic=True, backend=backend, options=options)
-
-
-def training_inductor_options(model_config: ModelConfig | None = None,
-                              cuda: bool = True) -> dict:
-    """Inductor options of the compiled training layers. Inductor fuses a norm's two backward
-    reductions of different loop orders (its mix-order reduction) only above 5 Mi elements;
-    with T dynamic that choice becomes a guard on T (576*T < 5242880 at hidden 576), so a
-    micro-batch that crossed it compiled the layers again mid-run (0.7-2.7 s at steps 3 and 21
-    of SmolLM2 GRPO runs on an H200, bench/RESULTS.md 2026-12-01 session 12). Off, the layers
-    keep one graph per grad mode whatever the micro-batches' lengths.
-
-    Inductor's C++ wrapper (`cpp_wrapper`, CUDA only: the engine compiles on CUDA; the CPU's
-    compiled-layer tests keep the Python wrapper): the layers' generated code calls kernels from
-    C++ instead of Python. The updates are host-bound (a layer's forward and backward spend more
-    host time than kernel time: bench/RESULTS.md session 23) and a Triton launch from inductor's
-    Python wrapper costs ~25 us (PPO seed step 38.2k against 36.2k tok/s, session 24). Its cost
-    is the wrapper's C++ compile: the PPO seed step's compile took 128 s cold on an H200 against
-    48 s with the Python wrapper's cache warm (its artefacts go to inductor's cache as the
-    others do; a warm C++ start is not timed yet). Not for soft-capped attention (Gemma 2): its
-    layers call the Python custom op models.spec_attention, which the C++ wrapper reaches
-    through its Python-op bridge, never run on a GPU here (torch 2.11's bridge refused
-    varlen_attn's List[int] argument, bench/RESULTS.md session 23).
-    HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS (JSON) overrides or adds options, for experiments."""
-    from torch._inductor import config
-    options = {"triton.mix_order_reduction": False} \
-        if hasattr(config.triton, "mix_order_reduction") else {}
-    options["cpp_wrapper"] = cuda and (model_config is None or model_config.attn_softcap is None)
-    extra = os.environ.get(TRAIN_INDUCTOR_OPTIONS_ENV, "").strip()
-    if extra:       # benchmarks' experiments, e.g. '{"cpp_wrapper": true}'
-        try:
-            parsed = json.loads(extra)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{TRAIN_INDUCTOR_OPTIONS_ENV}: not a JSON object ({e})") from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"{TRAIN_INDUCTOR_OPTIONS_ENV}: not a JSON object: {extra}")
-        options.update(parsed)
-    return options
-
-
-TRAIN_INDUCTOR_OPTIONS_ENV = "HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS"
