@@ -284,6 +284,17 @@ def test_padded_causal_attention_matches_packed(lens):
     assert torch.allclose(out, ref, atol=1e-12)
 
 
+def test_dense_width_rounds_the_longest_prompt_up_to_few_shapes():
+    """The dense prefill's padded length: a power of two up to 64, then a multiple of 64, never
+    shorter than the longest prompt nor more than 63 rows (or 2x) past it."""
+    from hybridengine.rollout.prefill_plan import dense_width
+    widths = {n: dense_width(n) for n in range(1, 1100)}
+    assert [widths[n] for n in (1, 2, 3, 9, 33, 64, 65, 129, 512, 513)] == \
+        [2, 2, 4, 16, 64, 64, 128, 192, 512, 576]
+    assert all(n <= w <= max(2, min(2 * n, n + 63)) for n, w in widths.items())
+    assert set(widths.values()) == {2, 4, 8, 16, 32, 64, *range(128, 1153, 64)}
+
+
 def test_dense_prefill_equals_varlen_prefill(tmp_path, monkeypatch):
     """The engine with the dense prefill attention (prompts padded to the longest of each
     prefill while that costs at most DENSE_MAX_PADDING; beyond it, varlen) gives the varlen
@@ -671,12 +682,12 @@ from hybridengine.rollout.sampling import SamplerMode, sample_torch, uniforms
 torch.manual_seed(0)
 """
 SAMPLER_CHECK = SAMPLER_HEAD + """
-keys = torch.randint(0, 2**32, (64,), dtype=torch.int64)
-u = uniforms(keys, torch.arange(64))
+keys = torch.randint(0, 2**32, (16,), dtype=torch.int64)     # 16 rows: the interpreter's
+u = uniforms(keys, torch.arange(16))                        # time goes by programs
 # 1000: a partial last block, one chunk; 5000: three chunks with maxima far apart; the last
 # with every logit far below zero (a padded block's weight must not overflow to inf)
 for V, spread, shift in ((1000, 3.0, 0.0), (5000, 12.0, 0.0), (5000, 3.0, -200.0)):
-    z = torch.randn(64, V) * spread + shift
+    z = torch.randn(16, V) * spread + shift
     z[:, : V // 3] -= 20.0                      # the chunks' maxima differ by ~20 nats
     for T in (1.0, 0.7):
         mode = SamplerMode(False, 0, False, T != 1.0)
@@ -694,15 +705,17 @@ for V, spread, shift in ((1000, 3.0, 0.0), (5000, 12.0, 0.0), (5000, 3.0, -200.0
 print("ok")
 """
 SAMPLER_DRAWS_CHECK = SAMPLER_HEAD + """
-# the draw's distribution: 1500 draws from one row against softmax(z / 0.7), chi-square over
-# 8 tokens spread across two blocks (the rest has weight ~0)
+# the draw's distribution: 480 draws from one row against softmax(z / 0.7), chi-square over
+# 8 tokens spread across two blocks (the rest has weight ~0); the live logits close enough
+# that every token expects >= 20 draws (the interpreter's time goes by draws: one program each)
 z = torch.full((136,), -40.0)
 live = torch.tensor([0, 5, 60, 127, 128, 130, 131, 135])
-z[live] = torch.tensor([2.0, 1.5, 0.3, -1.0, 0.0, 1.0, -0.5, 0.7])
-n = 1500
+z[live] = torch.tensor([1.0, 0.8, 0.3, -0.2, 0.0, 0.6, -0.1, 0.5])
+n = 480
 tok, _, slp = sample_temperature(z.expand(n, -1), torch.tensor([0.7]),
                                  uniforms(torch.full((n,), 12345), torch.arange(n)))
 p = torch.softmax(z.double() / 0.7, -1)
+assert (n * p[live]).min() >= 20
 counts = torch.bincount(tok, minlength=136).double()
 assert counts.sum() == counts[live].sum()
 stat = ((counts[live] - n * p[live]) ** 2 / (n * p[live])).sum().item()

@@ -51,7 +51,7 @@ from hybridengine.rollout.paged_cache import PagedKVCache
 from hybridengine.rollout.paged_context import PagedDecodeContext, PagedPrefillContext
 from hybridengine.rollout.paged_scheduler import PrefillGroup
 from hybridengine.rollout.prefill_plan import (add_pad_index, add_prefix_index, dense_pays,
-                                               paged_prefill_plan)
+                                               dense_width, paged_prefill_plan)
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.slot_state import Pending, SlotState, h2d_into
 
@@ -179,10 +179,11 @@ class PagedModelRunner(ModelRunner):
         num, prefix, dense = len(plan["seq_lens"]), None, None
         if any_cached:
             longest = add_prefix_index(plan, groups, tables)
-        elif self.prefill_attention == "dense" and dense_pays(plan, max_len):
+        elif self.prefill_attention == "dense" and dense_pays(plan, dense_width(max_len)):
             # (compiled: a pad index even where no group is padded: one dense graph)
-            add_pad_index(plan, max_len, always=self.prefill_compiled)
-            dense = (num, max_len)
+            width = dense_width(max_len)
+            add_pad_index(plan, width, always=self.prefill_compiled)
+            dense = (num, width)
         ids = [s.seq_id for g in groups for s in g.seqs]
         whole = tables.block_table(ids, self.width).numpy().astype(np.int64).reshape(-1)
         t = self._h2d_arrays({**plan, "tables": whole})

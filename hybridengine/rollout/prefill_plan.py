@@ -20,6 +20,18 @@ if TYPE_CHECKING:                # (annotations only: this module stays torch-fr
 DENSE_MAX_PADDING = 1.5
 
 
+def dense_width(max_len: int) -> int:
+    """The padded length of a dense prefill: the longest prompt rounded up, to a power of two
+    up to 64, then to a multiple of 64 (at most 63 padded rows more per prompt), so that
+    prefills of prompts of nearby lengths share one attention shape. cuDNN builds an execution
+    plan the first time it meets a shape: in the PPO seed step, whose prompts' longest length
+    changes every step, that host work left the device idle 72 ms of a 146 ms prefill (H200,
+    bench/RESULTS.md 2026-12-03 session 25)."""
+    if max_len <= 64:       # (>= 2: a compiled dense prefill would specialise a width of 1)
+        return max(2, 1 << (max_len - 1).bit_length())
+    return -(-max_len // 64) * 64
+
+
 def prefill_plan(seqs: list[Sequence], vocab_size: int) -> tuple[dict[str, np.ndarray], int]:
     """Host-side int64 index arrays of a prefill, and the longest prompt: the packed distinct
     prompts (ids, positions, cu); for every sequence's cache row the packed token each position
