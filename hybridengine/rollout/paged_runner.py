@@ -177,11 +177,11 @@ class PagedModelRunner(ModelRunner):
         pad_row = self.num_slots if compiled and len(groups) == 1 else None
         plan, max_len, any_cached = paged_prefill_plan(groups, tables, self.vocab_size, pad_row)
         num, prefix, dense = len(plan["seq_lens"]), None, None
+        width = dense_width(max_len)
         if any_cached:
             longest = add_prefix_index(plan, groups, tables)
-        elif self.prefill_attention == "dense" and dense_pays(plan, dense_width(max_len)):
+        elif self.prefill_attention == "dense" and dense_pays(plan, width):
             # (compiled: a pad index even where no group is padded: one dense graph)
-            width = dense_width(max_len)
             add_pad_index(plan, width, always=self.prefill_compiled)
             dense = (num, width)
         ids = [s.seq_id for g in groups for s in g.seqs]
