@@ -85,3 +85,26 @@ def test_sampled_stories_paged_equals_static(model, prompts, tokenizer, cache):
     s = engine.stats
     assert s["num_prefix_cached_tokens"] > 0               # the 4 samples share their prompt
     assert (s["num_preemptions"] > 0) == (cache == "small")
+
+
+def test_sampled_stories_dense_prefill_equals_varlen(model, prompts, tokenizer, monkeypatch):
+    """The dense prefill attention, its prompts (11-13 tokens) padded to dense_width's 16 rows,
+    writes the same cache and samples the same stories, ended at EOS at their own lengths, as
+    the varlen prefill (static KV layout)."""
+    import hybridengine.rollout.attention as rollout_attention
+    widths = []
+    dense_fn = rollout_attention.padded_causal_attention
+    monkeypatch.setattr(rollout_attention, "padded_causal_attention",
+                        lambda q, k, v, n, w, *a: widths.append(w) or dense_fn(q, k, v, n, w, *a))
+    stops = stop_token_ids(tokenizer, STORIES)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=MAX_TOKENS, stop_token_ids=stops,
+                            seed=5)
+    ref, _ = _generate(model, prompts, params, prefill_attention="varlen")
+    assert not widths
+    got, _ = _generate(model, prompts, params, prefill_attention="dense")
+    assert widths and set(widths) == {16} and max(map(len, prompts)) < 16
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert max(abs(a - b) for r, q in zip(got, ref) for a, b in zip(r.logprobs, q.logprobs)) < 1e-4
+    stopped = [len(r.token_ids) for r in got if r.finish_reason == "stop"]
+    # 9 of the 16 end at EOS (220-418 tokens, all different), the rest at the cap
+    assert len(stopped) >= 8 and len(set(stopped)) == len(stopped)
