@@ -295,6 +295,31 @@ def test_dense_width_rounds_the_longest_prompt_up_to_few_shapes():
     assert set(widths.values()) == {2, 4, 8, 16, 32, 64, *range(128, 1153, 64)}
 
 
+def test_plan_dense_chooses_the_form_both_runners_take():
+    """One decision for the static and the paged runner: dense only where asked and the padding
+    to dense_width stays within DENSE_MAX_PADDING; a pad index where a prompt is padded, or
+    always when compiled; a forced choice wins."""
+    import numpy as np
+    from hybridengine.rollout.prefill_plan import plan_dense
+
+    def plan(lens):
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        return {"cu": cu, "positions": np.concatenate([np.arange(n) for n in lens])}
+    p = plan([12, 13])                                   # width 16: 32 rows for 25 tokens
+    assert plan_dense(p, 13, "dense", compiled=False) == 16
+    assert p["pad_index"].tolist() == [*range(12), *range(16, 29)]
+    p = plan([9, 16])                                    # 32 rows for 25 tokens: 1.28x, pays
+    assert plan_dense(p, 16, "dense", compiled=False) == 16
+    p = plan([3, 16])                                    # 32 rows for 19 tokens: 1.68x
+    assert plan_dense(p, 16, "dense", compiled=False) is None and "pad_index" not in p
+    assert plan_dense(p, 16, "dense", compiled=False, force=True) == 16 and "pad_index" in p
+    p = plan([16, 16])                                   # nothing padded
+    assert plan_dense(p, 16, "dense", compiled=False) == 16 and "pad_index" not in p
+    assert plan_dense(p, 16, "dense", compiled=True) == 16 and "pad_index" in p
+    assert plan_dense(plan([16, 16]), 16, "varlen", compiled=True) is None
+    assert plan_dense(plan([16, 16]), 16, "dense", compiled=True, force=False) is None
+
+
 def test_dense_prefill_equals_varlen_prefill(tmp_path, monkeypatch):
     """The engine with the dense prefill attention (prompts padded to the longest of each
     prefill while that costs at most DENSE_MAX_PADDING; beyond it, varlen) gives the varlen

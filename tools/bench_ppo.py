@@ -421,6 +421,8 @@ def run(args) -> dict:
             + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else ""))
         if step > args.warmup:
             steps.append({k: m[k] for k in KEYS if k in m})
+            # on stderr as it happens: a run cut by its time limit still leaves its figures
+            log(f"step {step} metrics: {json.dumps(steps[-1])}")
         if args.val_every and step % args.val_every == 0:
             t0 = time.perf_counter()
             trainer.validate()

@@ -37,8 +37,7 @@ from hybridengine.rollout.compile_steps import (MAX_COMPILED_GRAPHS,  # noqa: F4
 from hybridengine.rollout.decode_graphs import DecodeGraphs, graph_buckets
 from hybridengine.rollout.kv_cache import (DEVICE_RESERVE, KVCache, check_fits_device,
                                           kv_bytes_per_token, plan_num_slots)
-from hybridengine.rollout.prefill_plan import (add_pad_index, dense_pays, dense_width,
-                                                   prefill_plan)
+from hybridengine.rollout.prefill_plan import plan_dense, prefill_plan
 from hybridengine.rollout.rollout_config import CompileMode, RolloutConfig
 from hybridengine.rollout.sampling import MAX_STOP_TOKENS, SamplingParams, sample
 from hybridengine.rollout.scheduler import Sequence
@@ -269,17 +268,13 @@ class ModelRunner:
         """(device index arrays, PackedInput, PrefillContext) of a prefill. dense: the dense
         attention; None: when prefill_attention is dense and the padding pays (dense_pays)."""
         plan, max_len = prefill_plan(seqs, self.vocab_size)
-        width = dense_width(max_len)
-        if dense is None:
-            dense = self.prefill_attention == "dense" and dense_pays(plan, width)
-        if dense:    # (compiled: a pad index even where no prompt is padded: one dense graph)
-            add_pad_index(plan, width, always=self.prefill_compiled)
+        width = plan_dense(plan, max_len, self.prefill_attention, self.prefill_compiled, dense)
         num_prompts = len(plan["cu"]) - 1
         t = self._h2d_arrays(plan)             # one host-to-device copy for every index list
         packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
         ctx = PrefillContext(self.cache, self.model.layer_start, packed, t["src"],
                              t["dst_slot"], t["dst_pos"],
-                             (num_prompts, width, t.get("pad_index")) if dense else None,
+                             (num_prompts, width, t.get("pad_index")) if width else None,
                              self.kernel_settings)
         return t, packed, ctx
 

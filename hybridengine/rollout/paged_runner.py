@@ -50,8 +50,7 @@ from hybridengine.rollout.block_manager import BlockAllocator, BlockTables
 from hybridengine.rollout.paged_cache import PagedKVCache
 from hybridengine.rollout.paged_context import PagedDecodeContext, PagedPrefillContext
 from hybridengine.rollout.paged_scheduler import PrefillGroup
-from hybridengine.rollout.prefill_plan import (add_pad_index, add_prefix_index, dense_pays,
-                                               dense_width, paged_prefill_plan)
+from hybridengine.rollout.prefill_plan import add_prefix_index, paged_prefill_plan, plan_dense
 from hybridengine.rollout.rollout_config import RolloutConfig
 from hybridengine.rollout.slot_state import Pending, SlotState, h2d_into
 
@@ -177,12 +176,10 @@ class PagedModelRunner(ModelRunner):
         pad_row = self.num_slots if compiled and len(groups) == 1 else None
         plan, max_len, any_cached = paged_prefill_plan(groups, tables, self.vocab_size, pad_row)
         num, prefix, dense = len(plan["seq_lens"]), None, None
-        width = dense_width(max_len)
         if any_cached:
             longest = add_prefix_index(plan, groups, tables)
-        elif self.prefill_attention == "dense" and dense_pays(plan, width):
-            # (compiled: a pad index even where no group is padded: one dense graph)
-            add_pad_index(plan, width, always=self.prefill_compiled)
+        elif (width := plan_dense(plan, max_len, self.prefill_attention,
+                                  self.prefill_compiled)) is not None:
             dense = (num, width)
         ids = [s.seq_id for g in groups for s in g.seqs]
         whole = tables.block_table(ids, self.width).numpy().astype(np.int64).reshape(-1)

@@ -88,6 +88,19 @@ def add_pad_index(plan: dict[str, np.ndarray], max_len: int, always: bool) -> No
                                       np.diff(plan["cu"])) + plan["positions"]
 
 
+def plan_dense(plan: dict[str, np.ndarray], max_len: int, attention: str, compiled: bool,
+               force: bool | None = None) -> int | None:
+    """The padded width of a dense prefill (plan["pad_index"] added), or None for the varlen
+    one. force: that choice; None: dense when `attention` is "dense" and the padding pays.
+    compiled: a pad index even where no prompt is padded (a compiled prefill takes one form)."""
+    width = dense_width(max_len)
+    dense = force if force is not None else attention == "dense" and dense_pays(plan, width)
+    if not dense:
+        return None
+    add_pad_index(plan, width, always=compiled)
+    return width
+
+
 def paged_prefill_plan(groups: list[PrefillGroup], tables: BlockTables, vocab_size: int,
                        pad_row: int | None = None):
     """Host int64 arrays of a paged prefill (rows first: as prefill_plan, the per-sequence
