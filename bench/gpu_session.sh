@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: realtext paged paged_ppo ppo_ab trl tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: realtext paged paged_ppo ppo_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -200,6 +200,14 @@ for p in $parts; do case $p in
            # workload's shape, 3 steps (../shared/bench/hf_trl_baseline.py copied to .benchdata/;
            # trl, datasets, dill, multiprocess wheels in .whl/)
            T=${T:-300} run trl_grpo env ONLY_TRL=1 OUT="$RES" python3 .benchdata/hf_trl_baseline.py ;;
+  issue27) # issue 27's 0.5B figures in one call, the cold compile allowed for (a fresh checkout
+           # carries no compile cache: GRPO fixed's first step ~160 s, PPO seed's ~150 s): GRPO
+           # fixed, TRL's GRPOTrainer beside it (the >= 8x check), the PPO seed step; ~470 s
+           # cold. The 1.5B step (~250 s cold) wants a call of its own:
+           # ONLY=grpo_fixed TAG=_1.5b PPO_STEPS=2 PPO_PROFILE= PPO_ARGS="--model 1.5b" T=330 ... ppo
+           ONLY=grpo_fixed PPO_STEPS=3 PPO_PROFILE= T=${T:-300} bash "$0" ppo
+           T=${T:-210} bash "$0" trl
+           ONLY=ppo_seed PPO_STEPS=3 PPO_PROFILE= T=${T:-300} bash "$0" ppo ;;
   moe)     # issue 29, one GPU: the Qwen3-MoE-style 1B (64 experts, top 8) beside the dense model
            # of its active width, rollout and GRPO (fixed 512 + 256 tokens, defaults)
            data="--tokenizer .benchdata/tok --gsm8k .benchdata/train.jsonl"
