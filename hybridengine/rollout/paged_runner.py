@@ -175,12 +175,11 @@ class PagedModelRunner(ModelRunner):
         # compiled steps: a 1-token dummy group in the scratch row keeps every size >= 2
         pad_row = self.num_slots if compiled and len(groups) == 1 else None
         plan, max_len, any_cached = paged_prefill_plan(groups, tables, self.vocab_size, pad_row)
-        num, prefix, dense = len(plan["seq_lens"]), None, None
+        num, prefix, width = len(plan["seq_lens"]), None, None
         if any_cached:
             longest = add_prefix_index(plan, groups, tables)
-        elif (width := plan_dense(plan, max_len, self.prefill_attention,
-                                  self.prefill_compiled)) is not None:
-            dense = (num, width)
+        else:
+            width = plan_dense(plan, max_len, self.prefill_attention, self.prefill_compiled)
         ids = [s.seq_id for g in groups for s in g.seqs]
         whole = tables.block_table(ids, self.width).numpy().astype(np.int64).reshape(-1)
         t = self._h2d_arrays({**plan, "tables": whole})
@@ -189,8 +188,7 @@ class PagedModelRunner(ModelRunner):
         packed = PackedInput(t["ids"], t["positions"], t["cu"].to(torch.int32), max_len)
         if any_cached:
             prefix = (t["key_slots"], t["q_index"], num, longest)
-        elif dense is not None:
-            dense = (*dense, t.get("pad_index"))
+        dense = (num, width, t.get("pad_index")) if width is not None else None
         ctx = PagedPrefillContext(self.cache, self.model.layer_start, packed, t["src"],
                                   t["dst"], prefix, dense, self.kernel_settings)
         rows, state = t["rows"], self.state
