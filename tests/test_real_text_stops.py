@@ -87,21 +87,26 @@ def test_sampled_stories_paged_equals_static(model, prompts, tokenizer, cache):
     assert (s["num_preemptions"] > 0) == (cache == "small")
 
 
-def test_sampled_stories_dense_prefill_equals_varlen(model, prompts, tokenizer, monkeypatch):
+@pytest.mark.parametrize("kv_layout", ["static", "paged"])
+def test_sampled_stories_dense_prefill_equals_varlen(model, prompts, tokenizer, monkeypatch,
+                                                     kv_layout):
     """The dense prefill attention, its prompts (11-13 tokens) padded to dense_width's 16 rows,
     writes the same cache and samples the same stories, ended at EOS at their own lengths, as
-    the varlen prefill (static KV layout)."""
+    the static layout's varlen prefill; in either KV layout (the paged one's prompts hold no
+    full block, so no cached prefix: its prefill takes the dense form too)."""
     import hybridengine.rollout.attention as rollout_attention
+    import hybridengine.rollout.paged_context as paged_context
     widths = []
     dense_fn = rollout_attention.padded_causal_attention
-    monkeypatch.setattr(rollout_attention, "padded_causal_attention",
-                        lambda q, k, v, n, w, *a: widths.append(w) or dense_fn(q, k, v, n, w, *a))
+    for module in (rollout_attention, paged_context):
+        monkeypatch.setattr(module, "padded_causal_attention", lambda q, k, v, n, w, *a:
+                            widths.append(w) or dense_fn(q, k, v, n, w, *a))
     stops = stop_token_ids(tokenizer, STORIES)
     params = SamplingParams(n=4, temperature=1.0, max_tokens=MAX_TOKENS, stop_token_ids=stops,
                             seed=5)
     ref, _ = _generate(model, prompts, params, prefill_attention="varlen")
     assert not widths
-    got, _ = _generate(model, prompts, params, prefill_attention="dense")
+    got, _ = _generate(model, prompts, params, prefill_attention="dense", kv_layout=kv_layout)
     assert widths and set(widths) == {16} and max(map(len, prompts)) < 16
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert max(abs(a - b) for r, q in zip(got, ref) for a, b in zip(r.logprobs, q.logprobs)) < 1e-4
