@@ -42,6 +42,8 @@ def _train_mlp(model, opt, x, y, num_micro: int, normalizer: float):
 
 
 def test_adamw_bit_exact_vs_torch_and_clipping():
+    """torch.optim.AdamW(fused=True), the kernel the optimizer calls: bit for bit without
+    clipping (within 1e-6 with it: torch's norm is fp32, ours fp64)."""
     x, y = _data()
     for clip in (None, 0.5):
         model, ref_model = _mlp(), _mlp()
@@ -51,7 +53,7 @@ def test_adamw_bit_exact_vs_torch_and_clipping():
         groups = [{"params": [p for p in ref_model.parameters() if p.dim() >= 2]},
                   {"params": [p for p in ref_model.parameters() if p.dim() < 2],
                    "weight_decay": 0.0}]
-        ref = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+        ref = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=True)
         norms = _train_mlp(model, opt, x, y, 2, NUM_SAMPLES)
         for step in range(NUM_STEPS):
             ref.zero_grad()
@@ -266,3 +268,42 @@ def test_tp2_sequence_parallel_decoder_matches_tp1(tmp_path):
     norms = _train_decoder(model, opt, 1)
     assert min(norms) > 0.3                                     # clipping engaged
     run_dist(_tp_worker, 2, model_dir, (_full_params(model), norms))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_decided_on_the_device_equals_the_host_decided_one(monkeypatch, device):
+    """step(on_device=True): no host read (Tensor.item and friends refused during it), and bit
+    for bit the host-decided step over clipped steps and a non-finite one (refused by the
+    kernel's found_inf: weights, moments and the count unchanged); norm and stepped as tensors.
+    On CUDA, the same with the CUDA kernel."""
+    x, y = (t.to(device) for t in _data())
+    runs = {}
+    for on_device in (False, True):
+        model = _mlp().to(device)
+        opt = DistributedOptimizer(list(model.named_parameters()), lr=1e-2, weight_decay=0.1,
+                                   grad_clip=0.5, bucket_mb=0.002)
+        out = []
+        for step in range(4):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).sum() / NUM_SAMPLES
+            (loss * float("inf") if step == 2 else loss).backward()
+            with monkeypatch.context() as m:
+                if on_device:
+                    for name in ("item", "tolist", "__float__", "__bool__"):
+                        m.setattr(torch.Tensor, name, lambda *a: pytest.fail("host read"))
+                norm, stepped = opt.step(on_device=on_device)
+            out.append((float(norm), bool(stepped)))
+            if on_device:
+                assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float64
+                assert stepped.dtype == torch.float64
+            assert opt.num_steps == step + (step < 2)
+        runs[on_device] = (out, model, opt)
+    (host_out, host_model, host_opt), (dev_out, dev_model, dev_opt) = runs[False], runs[True]
+    assert [s for _, s in dev_out] == [True, True, False, True]
+    for (a, sa), (b, sb) in zip(host_out, dev_out):
+        assert sa == sb and (a == b or not (math.isfinite(a) or math.isfinite(b)))
+    for p, q in zip(host_model.parameters(), dev_model.parameters()):
+        assert torch.equal(p, q)
+    for b, c in zip(host_opt.buckets, dev_opt.buckets):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(b, key), getattr(c, key)), key

@@ -256,3 +256,54 @@ def test_score_batch_checks():
         score_batch(["a", "b"], ["s", "s"], ["a", "b"], fn=mixed)
     with pytest.raises(RewardError, match="without 'score'"):
         score_batch(["a"], ["s"], ["a"], fn=lambda **_: {"acc": 1.0})
+
+
+# --- the decoded text rewards read (rl.rollout.decode_texts) ----------------------------------
+def _tokenizers():
+    from transformers import AutoTokenizer
+    from model_utils import STORIES
+    qwen = Path(__file__).resolve().parents[2] / "shared" / "models" / "qwen2-tokenizer"
+    return [AutoTokenizer.from_pretrained(STORIES)] + \
+        ([AutoTokenizer.from_pretrained(qwen)] if qwen.is_dir() else [])
+
+
+def test_decode_texts_equals_batch_decode_in_one_backend_call(monkeypatch):
+    """The Qwen2.5 and stories260K tokenizers: one backend call for the whole batch (never
+    transformers' per-sequence batch_decode), and the same strings as batch_decode: random ids
+    over the whole vocabulary (special tokens skipped), empty responses, lists and tensors."""
+    import random
+
+    import torch
+
+    from hybridengine.rl.rollout import decode_texts
+    rng = random.Random(0)
+    for tok in _tokenizers():
+        ids = [[rng.randrange(len(tok)) for _ in range(rng.randrange(300))] for _ in range(64)]
+        ids[3] = []
+        ids[5] = [tok.eos_token_id] + ids[5] + [tok.eos_token_id]
+        want = tok.batch_decode(ids, skip_special_tokens=True)
+        with monkeypatch.context() as m:
+            m.setattr(type(tok), "batch_decode", lambda *a, **k: pytest.fail("per sequence"))
+            got = decode_texts(tok, ids)
+            got_tensors = decode_texts(tok, [torch.tensor(x, dtype=torch.long) for x in ids])
+        assert got == got_tensors == want
+        assert any(tok.eos_token in t for t in tok.batch_decode(ids[5:6]))   # it was there
+
+
+def test_decode_texts_keeps_transformers_path_where_it_would_change_the_text():
+    """A tokenizer that cleans up tokenization spaces, or overrides _decode, decodes through its
+    own batch_decode (whatever that does to the backend's text)."""
+    from hybridengine.rl.rollout import decode_texts
+    tok = _tokenizers()[0]
+    ids = [[5, 6, 7], [8, 9]]
+
+    class Shouting(type(tok)):
+        def _decode(self, token_ids, **kw):
+            return super()._decode(token_ids, **kw).upper()
+    loud = Shouting.from_pretrained(tok.name_or_path)
+    assert decode_texts(loud, ids) == [t.upper() for t in tok.batch_decode(ids)]
+    calls = []
+    tok.clean_up_tokenization_spaces = True
+    orig = type(tok).batch_decode
+    tok.batch_decode = lambda *a, **k: calls.append(1) or orig(tok, *a, **k)
+    assert decode_texts(tok, ids) == orig(tok, ids, skip_special_tokens=True) and calls == [1]

@@ -31,6 +31,26 @@ def stop_token_ids(tokenizer, model_dir) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def decode_texts(tokenizer, ids: list[list[int]]) -> list[str]:
+    """tokenizer.batch_decode(ids, skip_special_tokens=True), the same strings. A Rust-backed
+    tokenizer decodes the whole batch in one call of its backend, on all host cores, where
+    transformers' batch_decode calls it once per sequence: a step's 256 responses of 256 tokens
+    took ~24 ms that way on a 2-core host (9 ms in one call), inside the step's reward time.
+    Taken only where transformers would return the backend's text unchanged (its own _decode,
+    no clean-up of tokenization spaces); any other tokenizer decodes as before."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:             # pragma: no cover - transformers before 5
+        TokenizersBackend = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and \
+            type(tokenizer)._decode is TokenizersBackend._decode and \
+            not tokenizer.clean_up_tokenization_spaces and hasattr(backend, "decode_batch"):
+        return backend.decode_batch([x if isinstance(x, list) else [int(t) for t in x] for x in ids],
+                                    skip_special_tokens=True)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
 class RolloutCollector:
     """rank: this process's rank (rank 0 prints a warning when the rollout ran in waves,
     hybrid.generator.SlotUse: at the first such step, and again only when what it says changes,
@@ -72,11 +92,11 @@ class RolloutCollector:
         return out if gen.slots is None else {**out, **gen.slots.metrics()}
 
     def _score(self, batch: Batch) -> dict[str, list]:
-        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        texts = decode_texts(self.tokenizer, batch.response_ids)
         # each prompt once (its n samples share it), for batch rewards that read prompts
         first = {g: i for i, g in reversed(list(enumerate(batch.group)))}
-        text = dict(zip(first, self.tokenizer.batch_decode(
-            [batch.prompt_ids[i] for i in first.values()], skip_special_tokens=True)))
+        text = dict(zip(first, decode_texts(self.tokenizer,
+                                            [batch.prompt_ids[i] for i in first.values()])))
         prompts = [text[g] for g in batch.group]
         scores, extras = score_batch(texts, batch.data_source, batch.ground_truth,
                                      batch.extra_info, fn=self.reward_fn, prompts=prompts)

@@ -241,10 +241,12 @@ class TrainEngine:
         grad_norm, lr and whether the update was applied.
 
         before_step(): host work (the next mini-batch's packing) run once the backward is queued
-        and before the optimizer step, whose gradient norm makes the host wait for the device:
+        and before the optimizer step, whose gradient norm (read on the host without
+        metrics_on_device) makes the host wait for the device:
         done here it overlaps the device's backward instead of leaving the device idle after
-        the step. metrics_on_device: loss_fn's metrics as 0-d device tensors (the caller reads
-        them once for all its steps) instead of floats (a host sync per step)."""
+        the step. metrics_on_device: loss_fn's metrics, grad_norm and stepped as 0-d device
+        tensors (the caller reads them once for all its steps) instead of floats (a host sync
+        per step), the optimizer's non-finite guard decided on the device."""
         self.require(*PARTS)
         opt = self.optimizer
         opt.zero_grad()
@@ -277,10 +279,14 @@ class TrainEngine:
             opt.finish_grad_sync()
         lr = opt.current_lr
         with record_function("train.optimizer"):
-            grad_norm, stepped = opt.step()   # the LR schedule advances per trainer step (caller)
+            # the LR schedule advances per trainer step (caller); with metrics_on_device the
+            # update is decided on the device too: no host wait between optimizer steps
+            grad_norm, stepped = opt.step(on_device=metrics_on_device)
         with record_function("train.metrics"):
             out = self._share_metrics(metrics, on_device=metrics_on_device)
-        out.update(grad_norm=grad_norm, lr=lr, stepped=float(stepped), **self._router_metrics())
+        out.update(grad_norm=grad_norm, lr=lr,
+                   stepped=stepped if isinstance(stepped, torch.Tensor) else float(stepped),
+                   **self._router_metrics())
         return out
 
     def _router_metrics(self) -> dict:

@@ -38,12 +38,12 @@ The step, chunk by chunk
     them into the parameters, exactly as after a device step.
 
 Numerics
-    The update is DistributedOptimizer._adamw itself, run on views of one chunk (same torch ops,
-    same order, same Python scalars), on torch's intra-op thread pool (torch.set_num_threads).
-    Every op is elementwise, so a chunk updates bit for bit as it would inside the whole bucket;
-    on a CPU model the host step equals the device step bitwise (tests/test_host_step.py). Against
-    a CUDA device step, nvcc's fused multiply-adds may round an ulp differently from the CPU's
-    vector code: expected within 1e-6 relative on the fp32 master (the gpu-marked test in
+    The update is DistributedOptimizer._adamw itself (torch's fused AdamW kernel), run on views of
+    one chunk, on torch's intra-op thread pool (torch.set_num_threads). The kernel is
+    elementwise, so a chunk updates bit for bit as it would inside the whole bucket; on a CPU
+    model the host step equals the device step bitwise (tests/test_host_step.py). Against a CUDA
+    device step, the CUDA kernel may round an ulp differently from the CPU's vector code:
+    expected within 1e-6 relative on the fp32 master (the gpu-marked test in
     tests/test_host_step.py checks it). The fp32 -> bf16 cast rounds to nearest even on both.
 
 State
@@ -69,7 +69,7 @@ class _Chunk:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     shard_grad: torch.Tensor
-    decay_views: list[torch.Tensor]
+    adam_runs: list[tuple[bool, int, int]]          # the bucket's, cut to the chunk
 
 
 class _Staging:
@@ -122,7 +122,6 @@ class HostStep:
             if t.device.type != "cpu" or (self.pin_state and not t.is_pinned()):
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_state)
                 setattr(b, key, host.copy_(t))
-        b.decay_views = [b.master[lo:hi] for lo, hi in b.runs(lambda e: e.decay)]
 
     def host_bytes(self) -> int:
         """Host bytes of optimizer state (master slices, moments) and pinned staging buffers."""
@@ -131,11 +130,12 @@ class HostStep:
         return self.opt.memory_bytes() + staging
 
     @torch.no_grad()
-    def step(self, lr: float) -> list[torch.Tensor]:
+    def step(self, lr: float, count: torch.Tensor) -> list[torch.Tensor]:
         """AdamW at `lr` on the host (DistributedOptimizer.step has synced, checked and clipped
-        the gradients and counted the step). Returns this rank's shard of every bucket with the
-        new weights, in the parameters' dtype, on the device: publish_params' input."""
-        return self._run(lr)
+        the gradients and counted the step: `count`, 0-d on the host). Returns this rank's shard
+        of every bucket with the new weights, in the parameters' dtype, on the device:
+        publish_params' input."""
+        return self._run(lr, count)
 
     @torch.no_grad()
     def stage(self) -> list[torch.Tensor]:
@@ -144,7 +144,7 @@ class HostStep:
         return self._run(None)
 
     # ------------------------------------------------------------------------------------------
-    def _run(self, lr: float | None) -> list[torch.Tensor]:
+    def _run(self, lr: float | None, count: torch.Tensor | None = None) -> list[torch.Tensor]:
         buckets = self.opt.buckets
         device = buckets[0].grad.device
         need = min(self.chunk_numel, max(b.shard_numel for b in buckets))
@@ -163,7 +163,6 @@ class HostStep:
         n = self.chunk_numel
         jobs = [(i, lo, min(lo + n, b.shard_numel)) for i, b in enumerate(buckets)
                 for lo in range(0, b.shard_numel, n)]
-        decay = [b.runs(lambda e: e.decay) for b in buckets] if lr is not None else None
         grads: list[torch.Tensor | None] = [None] * len(jobs)
         if lr is not None and jobs:
             grads[0] = self._fetch(jobs[0], 0, d2h)
@@ -174,10 +173,10 @@ class HostStep:
                     grads[k + 1] = self._fetch(jobs[k + 1], (k + 1) % 2, d2h)
                 self._staging.wait(("grad", b.grad.dtype), k % 2)
                 chunk = _Chunk(b.master[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
-                               grads[k], [b.master[max(a, lo):min(c, hi)] for a, c in decay[i]
-                                          if max(a, lo) < min(c, hi)])
+                               grads[k], [(d, max(a, lo) - lo, min(c, hi) - lo)
+                                          for d, a, c in b.adam_runs if max(a, lo) < min(c, hi)])
                 grads[k] = None
-                self.opt._adamw(lr, [chunk])
+                self.opt._adamw(lr, [chunk], [count])
             key = ("out", shards[i].dtype)
             out = self._staging.get(key, k % 2, hi - lo)
             out.copy_(b.master[lo:hi])                      # cast on the host: half the bytes

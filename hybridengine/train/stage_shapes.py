@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridengine.models.decoder import ModelConfig, stage_layers
 from hybridengine.parallel.tensor import padded_vocab_size
-from hybridengine.train.optimizer import _ALIGN as GRAD_ALIGN
+from hybridengine.train.grad_buckets import GRAD_ALIGN
 
 
 def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, pp_rank: int = 0,
