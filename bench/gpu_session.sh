@@ -21,7 +21,12 @@ OUT=${OUT:-/tmp/out}; RES=/tmp/gpu_results; mkdir -p "$OUT" "$RES"
 # machine of the same image, may carry in as .compile_cache/compile_cache.tgz.part-*.
 # Measured: GRPO 1.5B's first step compiled in 201 s cold, 78 s with the cache.
 # (not $CC: that is the C compiler's variable, which Triton reads)
-COMPILE_CACHE=/tmp/compile_cache; export TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/inductor TRITON_CACHE_DIR=$COMPILE_CACHE/triton
+# The log-prob CUDA extension (csrc/, JIT-built by torch at its first use) goes there too: session
+# 27 saw step 1's old-log-prob phase take 48-69 s with inductor's cache warm (the update phases'
+# compilation 1.7 s); tools/bench_ppo.py now times the extension's load and lists step 1's
+# compilations, to tell which it is.
+COMPILE_CACHE=/tmp/compile_cache; export TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/inductor TRITON_CACHE_DIR=$COMPILE_CACHE/triton \
+  TORCH_EXTENSIONS_DIR=$COMPILE_CACHE/torch_extensions
 [ -z "${CACHE_OFF:-}" ] && ls .compile_cache/compile_cache.tgz* > /dev/null 2>&1 && [ ! -d "$COMPILE_CACHE" ] && \
   mkdir -p "$COMPILE_CACHE" && cat .compile_cache/compile_cache.tgz* | tar -xz -C "$COMPILE_CACHE" && \
   echo "compile cache: $(du -sh "$COMPILE_CACHE")" >> "$RES/session.log"

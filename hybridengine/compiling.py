@@ -99,3 +99,29 @@ class CompileWatch:
         if self.polls > self.warmup_polls:      # run-time work: a line when it stalled
             report.late = [describe(r) for r in new if not _runtime(r) or _seconds(r) >= 1.0]
         return report
+
+
+_PARTS_US = (("dynamo", "dynamo_cumulative_compile_time_us"),
+             ("aot", "aot_autograd_cumulative_compile_time_us"),
+             ("inductor", "inductor_cumulative_compile_time_us"),
+             ("codegen", "inductor_code_gen_cumulative_compile_time_us"),
+             ("triton", "triton_compile_time_us"),
+             ("autotune", "runtime_triton_autotune_time_us"))
+
+
+def compile_breakdown() -> list[str]:
+    """One line per compilation record torch holds (its last 64): where the time went (dynamo,
+    AOTAutograd, inductor, its code generation, Triton, run-time autotuning) and inductor's local
+    FX-graph cache hits / misses. For benchmarks' warm-up: a compilation that a warm cache
+    should have made short shows here as the part that stayed long."""
+    lines = []
+    for r in _records():
+        parts = ", ".join(f"{name} {(getattr(r, key, None) or 0) / 1e6:.1f}"
+                          for name, key in _PARTS_US if getattr(r, key, None))
+        hits = getattr(r, "inductor_fx_local_cache_hit_count", None)
+        misses = getattr(r, "inductor_fx_local_cache_miss_count", None)
+        cache = f"; fx cache {hits or 0} hit / {misses or 0} miss" if hits or misses else ""
+        kind = "run time" if _runtime(r) else "backward" if getattr(r, "is_forward", True) is \
+            False else "frame"
+        lines.append(f"{describe(r)} [{kind}; {parts or 'no parts'}{cache}]")
+    return lines

@@ -225,3 +225,15 @@ def test_training_inductor_options_take_the_environment_override(monkeypatch):
         monkeypatch.setenv(TRAIN_INDUCTOR_OPTIONS_ENV, bad)
         with pytest.raises(ValueError, match=TRAIN_INDUCTOR_OPTIONS_ENV):
             training_inductor_options()
+
+
+def test_compile_breakdown_names_each_compilation_and_its_parts():
+    """compiling.compile_breakdown: a line per compilation record, this function's frame among
+    them with dynamo's and AOTAutograd's seconds."""
+    from hybridengine.compiling import compile_breakdown
+
+    def doubled_sine(x):
+        return x.sin() * 2
+    compile_fn(doubled_sine, backend="aot_eager")(torch.randn(4))
+    lines = [line for line in compile_breakdown() if line.startswith("doubled_sine")]
+    assert lines and "[frame; dynamo" in lines[-1] and "aot" in lines[-1], lines

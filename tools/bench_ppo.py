@@ -62,7 +62,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+from hybridengine.compiling import compile_breakdown  # noqa: E402
 from hybridengine.config import load_config  # noqa: E402
+from hybridengine.kernels.logprob import cuda_extension  # noqa: E402
 from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
@@ -400,6 +402,11 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     log(f"setup {time.perf_counter() - t0:.1f} s")
+    if torch.cuda.is_available():       # JIT-built at its first use otherwise, inside step 1
+        t0 = time.perf_counter()
+        built = cuda_extension() is not None
+        log(f"log-prob CUDA extension: {'loaded' if built else 'unavailable'} in "
+            f"{time.perf_counter() - t0:.1f} s")
     critic_model = trainer.critic.engine.cfg if trainer.critic is not None else None
     for line in memory_report(trainer.cfg, trainer.layout, trainer.actor.engine.cfg,
                               critic_model, trainer.device):
@@ -409,6 +416,7 @@ def run(args) -> dict:
         _draw_response_lengths(trainer, args.response_lengths)
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
+    compile_records: list[str] = []
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
@@ -419,6 +427,10 @@ def run(args) -> dict:
         log(f"step {step}: {time.perf_counter() - t0:.2f} s, "
             f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU"
             + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else ""))
+        if step == 1:       # what step 1's compilations spent, cache warm or cold
+            compile_records = compile_breakdown()
+            for line in compile_records:
+                log(f"  compiled: {line}")
         if step > args.warmup:
             steps.append({k: m[k] for k in KEYS if k in m})
             # on stderr as it happens: a run cut by its time limit still leaves its figures
@@ -457,6 +469,7 @@ def run(args) -> dict:
             "kv_layout": cfg.actor_rollout_ref.rollout.kv_layout,
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
+            "compile_records_step1": compile_records,
             "val_s": val_s, "mean": mean, "steps": steps,
             **memory_check(trainer, peak_gb, phase_gb),
             **({"profile": profile} if profile is not None else {}),
