@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: realtext paged paged_ppo ppo_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: realtext paged paged_ppo ppo_ab group_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -139,6 +139,18 @@ for p in $parts; do case $p in
            T=${T:-600} run grpo_fixed${TAG:-} python3 tools/bench_ppo.py --workload fixed --algo grpo $fast $data $how
            T=${T:-600} run ppo_seed_offload python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 $fast $data --offload grads,optimizer
            T=${T:-600} run ppo_seed_recompute python3 tools/bench_ppo.py --workload seed --algo ppo --steps 2 --train-compile --rollout-compile --max-tokens 16384 $data --offload grads --set actor_rollout_ref.model.enable_gradient_checkpointing=true ;;
+  group_ab) # issue 27: the training layers compiled in units of GROUP layers (default 24, the
+           # whole 0.5B stack: HYBRIDENGINE_TRAIN_LAYER_GROUP, train.compile_layers) against one
+           # layer a unit, the same tree, in GROUP_ORDER (a: grouped, b: per layer; default abba;
+           # runs <run>_group<i> / <run>_layer<i>). The first grouped run compiles its larger
+           # graph cold (not timed yet: give it T=300); PPO_STEPS timed steps, no profile
+           order=${GROUP_ORDER:-abba}
+           for (( i = 0; i < ${#order}; i++ )); do case ${order:i:1} in
+             a) HYBRIDENGINE_TRAIN_LAYER_GROUP=${GROUP:-24} TAG=_group$((i + 1)) PPO_PROFILE= \
+                  ONLY="${AB_RUNS:-ppo_seed}" bash "$0" ppo ;;
+             b) TAG=_layer$((i + 1)) PPO_PROFILE= ONLY="${AB_RUNS:-ppo_seed}" bash "$0" ppo ;;
+             *) echo "GROUP_ORDER: a (grouped) or b (per layer), not '${order:i:1}'" | tee -a "$RES/session.log" ;;
+           esac; done ;;
   ppo_ab)  # issue 27's before/after in one call: the `ppo` runs named in AB_RUNS (default
            # ppo_seed) from .before/ (an earlier commit's code: BEFORE=REV bash
            # bench/prepare_carry.sh, carried as .before) and from this tree, in AB_ORDER (b:

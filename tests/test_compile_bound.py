@@ -119,7 +119,8 @@ def test_generator_reports_compile_time_and_warns_after_the_first_step(capsys):
         "(test_compile_bound.py:") and "rank mismatch" in out[0]
 
 
-def _training_graphs(model, device: str, compile_backend: str | None) -> int:
+def _training_graphs(model, device: str, compile_backend: str | None,
+                     group: int | None = None) -> int:
     """Dynamo graphs of the compiled decoder layers of a TrainEngine over forward-only and
     training micro-batches of varying T (one sequence, two tokens, many sequences; with
     activation recomputation every other step). compile_backend: compile the layers as the
@@ -135,7 +136,7 @@ def _training_graphs(model, device: str, compile_backend: str | None) -> int:
     engine = TrainEngine(model, build_mesh(Layout(1, 1, 1)), optim=OptimConfig(lr=1e-3),
                          dtype=dtype, device=device, compile_layers=compile_backend is None)
     if compile_backend is not None:
-        compile_decoder_layers(engine.model, backend=compile_backend)
+        compile_decoder_layers(engine.model, backend=compile_backend, group=group)
     g = torch.Generator().manual_seed(0)
 
     def micro(lens):
@@ -158,6 +159,48 @@ def test_training_layers_compile_once_per_grad_mode(one_thread):
     """The decoder layers compiled as the TrainEngine compiles them (dynamic=True; aot_eager
     here): one graph per grad mode (forward-only, training) for every micro-batch length."""
     assert _training_graphs(STORIES, "cpu", "aot_eager") == 2
+
+
+def test_grouped_layers_compile_once_per_grad_mode_and_group_size(one_thread):
+    """compile_decoder_layers(group=k): the units of k layers share one graph per grad mode,
+    the shorter last unit one more (stories260K's 5 layers: 2 + 2 + 1); all 5 at once, one per
+    grad mode. (The recomputing steps run the layers uncompiled: no graph of theirs.)"""
+    from hybridengine.models.hf_config import read_model_config
+    assert read_model_config(STORIES).num_layers == 5
+    assert _training_graphs(STORIES, "cpu", "aot_eager", group=2) == 4
+    assert _training_graphs(STORIES, "cpu", "aot_eager", group=5) == 2
+
+
+def test_grouped_layers_train_as_the_per_layer_units(one_thread, monkeypatch):
+    """Three AdamW steps of stories260K with its layers compiled in groups of 2 (aot_eager), the
+    group size read from HYBRIDENGINE_TRAIN_LAYER_GROUP: the same losses and weights, bit for
+    bit, as per-layer units; the state dict keeps the layers' own names."""
+    from hybridengine.models.attention import PackedInput
+    from hybridengine.parallel.layout import Layout
+    from hybridengine.parallel.mesh import build_mesh
+    from hybridengine.train.compile_layers import compile_decoder_layers
+    from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine
+    runs = {}
+    for group in ("1", "2"):
+        torch._dynamo.reset()
+        monkeypatch.setenv("HYBRIDENGINE_TRAIN_LAYER_GROUP", group)
+        engine = TrainEngine(STORIES, build_mesh(Layout(1, 1, 1)), optim=OptimConfig(lr=1e-2),
+                             dtype=torch.float32, device="cpu", compile_layers=False)
+        compile_decoder_layers(engine.model, backend="aot_eager")
+        assert (engine.model.layer_groups is None) == (group == "1")
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for lens in ([5, 9, 13], [40], [11, 11]):
+            ids = torch.randint(0, 512, (sum(lens),), generator=g)
+            mb = MicroBatch(PackedInput.from_lengths(ids, lens),
+                            {"targets": torch.roll(ids, -1)})
+            m = engine.train_step([mb], lambda out, mb: (-out["logprob"].mean(), {}))
+            losses.append(engine.forward_only([mb])[0]["logprob"].sum().item())
+            assert m["stepped"] == 1.0
+        runs[group] = (losses, engine.model.state_dict())
+    assert runs["1"][0] == runs["2"][0]
+    assert runs["1"][1].keys() == runs["2"][1].keys()
+    assert all(torch.equal(runs["1"][1][k], runs["2"][1][k]) for k in runs["1"][1])
 
 
 def test_gemma2_layers_compile_once_per_grad_mode_and_layer_kind(one_thread):

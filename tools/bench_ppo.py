@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from hybridengine.compiling import compile_breakdown  # noqa: E402
 from hybridengine.config import load_config  # noqa: E402
 from hybridengine.kernels.logprob import cuda_extension  # noqa: E402
+from hybridengine.train.compile_layers import layer_group_size  # noqa: E402
 from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
@@ -463,6 +464,7 @@ def run(args) -> dict:
             "rollout_compile": cfg.actor_rollout_ref.rollout.compile,
             "compile_prefill": cfg.actor_rollout_ref.rollout.compile_prefill,
             "train_compile": cfg.actor_rollout_ref.actor.use_torch_compile,
+            "train_layer_group": layer_group_size(),
             "cuda_graphs": not cfg.actor_rollout_ref.rollout.enforce_eager,
             "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
             "response_lengths": args.response_lengths,

@@ -253,9 +253,28 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class LayerGroup(nn.Module):
+    """Consecutive decoder layers run as one unit: the unit torch.compile wraps when the training
+    engine compiles several layers at once (train.compile_layers: one compiled call, and one
+    autograd node, for the group instead of one per layer). Not a submodule of the Decoder (its
+    parameters and state dict stay the layers' own); its ModuleList only references them."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, h, tables, ctx):
+        for layer in self.layers:
+            cos, sin = tables[layer.local_rope]
+            h = layer(h, cos, sin, ctx)
+        return h
+
+
 class Decoder(nn.Module):
     """One pipeline stage of the decoder (the whole model when pp = 1) on one TP rank; with an
     expert-parallel group, this EP rank's experts of every MoE layer (models.moe)."""
+
+    layer_groups: list[LayerGroup] | None = None    # set by train.compile_layers, or none
 
     def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False,
                  pp_rank: int = 0, pp_size: int = 1, value_head: bool = False,
@@ -323,6 +342,10 @@ class Decoder(nn.Module):
             tables[True] = self.rotary_local(packed.position_ids)
         ctx = attn_ctx or PackedCausalAttention(packed)
         recompute = self.recompute_layers and self.training and torch.is_grad_enabled()
+        if self.layer_groups and not recompute:
+            for group in self.layer_groups:
+                h = group(h, tables, ctx)
+            return self.norm(h) if self.is_last else h
         for layer in self.layers:
             cos, sin = tables[layer.local_rope]
             if recompute:

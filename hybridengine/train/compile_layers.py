@@ -5,21 +5,49 @@ from __future__ import annotations
 import json
 import os
 
-from hybridengine.models.decoder import Decoder, ModelConfig
+from hybridengine.models.decoder import Decoder, LayerGroup, ModelConfig
 
 TRAIN_INDUCTOR_OPTIONS_ENV = "HYBRIDENGINE_TRAIN_INDUCTOR_OPTIONS"
+TRAIN_LAYER_GROUP_ENV = "HYBRIDENGINE_TRAIN_LAYER_GROUP"
 
 
-def compile_decoder_layers(model: Decoder, backend: str = "inductor") -> None:
+def compile_decoder_layers(model: Decoder, backend: str = "inductor",
+                           group: int | None = None) -> None:
     """torch.compile each decoder layer of `model` in place (actor.use_torch_compile): per layer,
     dynamic shapes (packed micro-batches change T every call). The layers share their code, so
     a process compiles one graph per grad mode (forward-only, training) and layer setup (dtype,
     TP / SP), whatever the micro-batches' lengths (tests/test_compile_bound.py). Tests pass
-    backend="aot_eager" to run the same setup on the CPU."""
+    backend="aot_eager" to run the same setup on the CPU.
+
+    group > 1 (default: HYBRIDENGINE_TRAIN_LAYER_GROUP, else 1): `group` consecutive layers are
+    compiled as one unit (models.decoder.LayerGroup; the last may hold fewer: one more graph).
+    The updates are host-bound (bench/RESULTS.md sessions 23-27): each compiled call and its
+    autograd node cost host time per micro-batch, 2 x 24 of them a forward and backward at
+    0.5B; a group of 24 makes it 2. The cost: a unit's backward returns all its parameters'
+    gradients at once, so up to a unit's worth of them is alive before the accumulation hooks
+    (train.optimizer) free them, where one layer's was (the whole model's at group = all
+    layers: +2 bytes a parameter in bf16), and its graph compiles longer. An experiment switch
+    until a GPU run has timed it (bench/gpu_session.sh group_ab). With
+    recomputation (model.recompute_layers, set before) the units stay single layers: each is
+    what a checkpoint recomputes."""
     cuda = next(model.parameters()).is_cuda
     options = training_inductor_options(model.cfg, cuda) if backend == "inductor" else None
-    for layer in model.layers:
-        layer.compile(dynamic=True, backend=backend, options=options)
+    group = layer_group_size() if group is None else group
+    if group > 1 and not model.recompute_layers:
+        layers = list(model.layers)
+        model.layer_groups = [LayerGroup(layers[i:i + group])
+                              for i in range(0, len(layers), group)]
+    for unit in model.layer_groups or model.layers:
+        unit.compile(dynamic=True, backend=backend, options=options)
+
+
+def layer_group_size() -> int:
+    """HYBRIDENGINE_TRAIN_LAYER_GROUP: decoder layers per compiled unit (1 when unset)."""
+    raw = os.environ.get(TRAIN_LAYER_GROUP_ENV, "").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{TRAIN_LAYER_GROUP_ENV}={raw!r}: layers per compiled unit, an "
+                         f"integer >= 1")
+    return int(raw)
 
 
 def training_inductor_options(model_config: ModelConfig | None = None,
