@@ -46,8 +46,8 @@ def decode_texts(tokenizer, ids: list[list[int]]) -> list[str]:
     if TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and \
             type(tokenizer)._decode is TokenizersBackend._decode and \
             not tokenizer.clean_up_tokenization_spaces and hasattr(backend, "decode_batch"):
-        return backend.decode_batch([x if isinstance(x, list) else [int(t) for t in x] for x in ids],
-                                    skip_special_tokens=True)
+        lists = [x if isinstance(x, list) else [int(t) for t in x] for x in ids]
+        return backend.decode_batch(lists, skip_special_tokens=True)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
