@@ -225,6 +225,15 @@ def test_training_layers_compile_once_per_grad_mode_on_cuda():
 
 
 @pytest.mark.gpu
+def test_grouped_training_layers_compile_once_per_grad_mode_on_cuda(monkeypatch):
+    """The engine's own setup on CUDA with HYBRIDENGINE_TRAIN_LAYER_GROUP=4 (SMALL's 4 layers in
+    one unit): inductor (C++ wrapper), bf16, flash attention; one graph per grad mode."""
+    from test_rollout_gpu import SMALL
+    monkeypatch.setenv("HYBRIDENGINE_TRAIN_LAYER_GROUP", "4")
+    assert _training_graphs(SMALL, "cuda", None) == 2
+
+
+@pytest.mark.gpu
 def test_rollout_compiles_a_bounded_set_of_graphs_on_cuda():
     """The same calls with inductor, CUDA graphs and bf16 (the CUDA defaults) on a random
     Qwen2-shaped model (head_dim 64: the triton decode attention, the dense prefill): every
