@@ -65,7 +65,6 @@ sys.path.insert(0, str(ROOT / "tools"))
 from hybridengine.compiling import compile_breakdown  # noqa: E402
 from hybridengine.config import load_config  # noqa: E402
 from hybridengine.kernels.logprob import cuda_extension  # noqa: E402
-from hybridengine.train.compile_layers import layer_group_size  # noqa: E402
 from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
@@ -73,6 +72,7 @@ from hybridengine.rl.memory import (device_budget, memory_errors, memory_report,
                                     plan_run_memory, resolve_auto_offload)
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
+from hybridengine.train.compile_layers import layer_group_size  # noqa: E402
 from profiling import host_diagnosis, profile_ranges  # noqa: E402
 
 SHARED = ROOT.parent / "shared"

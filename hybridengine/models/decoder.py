@@ -342,16 +342,16 @@ class Decoder(nn.Module):
             tables[True] = self.rotary_local(packed.position_ids)
         ctx = attn_ctx or PackedCausalAttention(packed)
         recompute = self.recompute_layers and self.training and torch.is_grad_enabled()
-        if self.layer_groups and not recompute:
+        if self.layer_groups and not recompute:     # compiled units (train.compile_layers)
             for group in self.layer_groups:
                 h = group(h, tables, ctx)
-            return self.norm(h) if self.is_last else h
-        for layer in self.layers:
-            cos, sin = tables[layer.local_rope]
-            if recompute:
-                h = checkpoint(layer, h, cos, sin, ctx, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, ctx)
+        else:
+            for layer in self.layers:
+                cos, sin = tables[layer.local_rope]
+                if recompute:
+                    h = checkpoint(layer, h, cos, sin, ctx, use_reentrant=False)
+                else:
+                    h = layer(h, cos, sin, ctx)
         return self.norm(h) if self.is_last else h
 
     # --- heads (last stage) -------------------------------------------------------------------

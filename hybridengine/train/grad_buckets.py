@@ -71,6 +71,15 @@ class Bucket:
         return [(a, b) for a, b in runs]
 
 
+def fused_adam_lists(parts) -> dict[bool, list[list[torch.Tensor]]]:
+    """The fused AdamW kernel's tensor lists over `parts` (buckets, or the host step's chunks of
+    them: anything with master, shard_grad, exp_avg, exp_avg_sq and adam_runs): per decay flag,
+    [masters, grads, exp_avgs, exp_avg_sqs] views of the runs with that flag."""
+    return {decay: [[getattr(p, t)[lo:hi] for p in parts for d, lo, hi in p.adam_runs
+                     if d == decay] for t in ("master", "shard_grad", "exp_avg", "exp_avg_sq")]
+            for decay in (True, False)}
+
+
 def cover_runs(kept: list[tuple[int, int]], n: int) -> list[tuple[bool, int, int]]:
     """(True, lo, hi) for the sorted disjoint runs `kept` of [0, n), (False, lo, hi) for the gaps
     between them: the whole range, in order."""

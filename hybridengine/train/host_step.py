@@ -58,6 +58,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridengine.train.grad_buckets import fused_adam_lists
+
 CHUNK_NUMEL = 1 << 20      # elements per chunk (a multiple of 64: whole vector blocks)
 
 
@@ -176,7 +178,7 @@ class HostStep:
                                grads[k], [(d, max(a, lo) - lo, min(c, hi) - lo)
                                           for d, a, c in b.adam_runs if max(a, lo) < min(c, hi)])
                 grads[k] = None
-                self.opt._adamw(lr, [chunk], [count])
+                self.opt._adamw(lr, fused_adam_lists([chunk]), [count])
             key = ("out", shards[i].dtype)
             out = self._staging.get(key, k % 2, hi - lo)
             out.copy_(b.master[lo:hi])                      # cast on the host: half the bytes

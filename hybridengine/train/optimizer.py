@@ -62,7 +62,7 @@ import math
 import torch
 
 from hybridengine.train.grad_buckets import (Bucket, Entry, ParamFilter, build_buckets,
-                                             cover_runs, default_no_decay)
+                                             cover_runs, default_no_decay, fused_adam_lists)
 from hybridengine.train.host_step import HostStep
 from hybridengine.train.lr_schedule import LRSchedule
 from hybridengine.train.optimizer_checks import check_args, check_layout
@@ -119,6 +119,9 @@ class DistributedOptimizer:
             if self.host_step is not None:
                 self.host_step.adopt(b)     # state to the host bucket by bucket
         self._hooks = [self._attach(b, e) for b in self.buckets for e in b.entries]
+        # the device step's views, built once as norm_views are (parking resizes the storages
+        # in place: views stay valid); the host step builds its chunks' views as it goes
+        self._adam_lists = None if self.host_step else fused_adam_lists(self.buckets)
 
     # --- setup --------------------------------------------------------------------------------
     def _init_bucket(self, b: Bucket, num_shards: int, shard_rank: int) -> None:
@@ -238,17 +241,20 @@ class DistributedOptimizer:
             found_inf = (~norm.isfinite()).float()
             self._clip(norm)
             self._steps.add_(1)
-            self.publish_params(self._adamw(lr, self.buckets, [self._steps], found_inf))
+            self._adamw(lr, self._adam_lists, [self._steps], found_inf)
             self._steps.sub_(found_inf)
+            self.publish_params()
             return norm, 1.0 - found_inf.double()
         norm = norm.item()
         if not math.isfinite(norm):
             return norm, False
         self._clip(norm)
         self._steps.add_(1)
-        step = self._steps.cpu() if self.host_step else self._steps
-        self.publish_params(self.host_step.step(lr, step) if self.host_step else
-                            self._adamw(lr, self.buckets, [step]))
+        if self.host_step:
+            self.publish_params(self.host_step.step(lr, self._steps.cpu()))
+        else:
+            self._adamw(lr, self._adam_lists, [self._steps])
+            self.publish_params()
         return norm, True
 
     def _clip(self, norm: float | torch.Tensor) -> None:
@@ -263,16 +269,16 @@ class DistributedOptimizer:
             for b in self.buckets:
                 b.shard_grad.mul_(coef)
 
-    def _adamw(self, lr: float, parts, step: list[torch.Tensor], found_inf=None) -> None:
-        """torch's fused AdamW on `parts` (buckets; host_step: chunks of them): one call for the
-        decayed runs, one for the rest. step: [the 0-d count of this update] on the state's
-        device; found_inf: 1.0 leaves everything as it was (the kernel returns at once)."""
+    def _adamw(self, lr: float, lists: dict[bool, list[list[torch.Tensor]]],
+               step: list[torch.Tensor], found_inf=None) -> None:
+        """torch's fused AdamW on `lists` (grad_buckets.fused_adam_lists of the buckets; the host
+        step: of one chunk): one call for the decayed runs, one for the rest. step: [the 0-d
+        count of this update] on the state's device; found_inf: 1.0 leaves everything as it was
+        (the kernel returns at once)."""
         beta1, beta2 = self.betas
-        for decay in (True, False):
-            lists = [[getattr(p, t)[lo:hi] for p in parts for d, lo, hi in p.adam_runs
-                      if d == decay] for t in ("master", "shard_grad", "exp_avg", "exp_avg_sq")]
-            if lists[0]:
-                torch._fused_adamw_(*lists, [], step * len(lists[0]), lr=lr, beta1=beta1,
+        for decay, group in lists.items():
+            if group[0]:
+                torch._fused_adamw_(*group, [], step * len(group[0]), lr=lr, beta1=beta1,
                                     beta2=beta2, weight_decay=self.weight_decay if decay else 0.0,
                                     eps=self.eps, amsgrad=False, maximize=False,
                                     found_inf=found_inf)
