@@ -143,7 +143,9 @@ for p in $parts; do case $p in
            # whole 0.5B stack: HYBRIDENGINE_TRAIN_LAYER_GROUP, train.compile_layers) against one
            # layer a unit, the same tree, in GROUP_ORDER (a: grouped, b: per layer; default abba;
            # runs <run>_group<i> / <run>_layer<i>). The first grouped run compiles its larger
-           # graph cold (not timed yet: give it T=300); PPO_STEPS timed steps, no profile.
+           # graphs cold (session 28: step 1 took 300 s with the rollout's cache warm, 3x the
+           # per-layer step 1: give it T=440); PPO_STEPS timed steps, no profile. Session 28
+           # measured no gain at GROUP=24 (bench/RESULTS.md): kept as an experiment switch.
            # First the grouped units' GPU test (graphs per grad mode, inductor + C++ wrapper)
            T=150 TESTS="tests/test_compile_bound.py -k grouped" bash "$0" tests
            order=${GROUP_ORDER:-abba}
