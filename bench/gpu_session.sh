@@ -143,7 +143,7 @@ for p in $parts; do case $p in
            # whole 0.5B stack: HYBRIDENGINE_TRAIN_LAYER_GROUP, train.compile_layers) against one
            # layer a unit, the same tree, in GROUP_ORDER (a: grouped, b: per layer; default abba;
            # runs <run>_group<i> / <run>_layer<i>). The first grouped run compiles its larger
-           # graphs cold (session 28: step 1 took 300 s with the rollout's cache warm, 3x the
+           # graphs cold (session 28: step 1 took 300 s with the rollout's cache warm, 2.6-3.2x a
            # per-layer step 1: give it T=440); PPO_STEPS timed steps, no profile. Session 28
            # measured no gain at GROUP=24 (bench/RESULTS.md): kept as an experiment switch.
            # First the grouped units' GPU test (graphs per grad mode, inductor + C++ wrapper)
