@@ -7,6 +7,8 @@ micro-batches), so gradient sums over DP equal a single-process run (see rl.loss
 """
 from __future__ import annotations
 
+from collections.abc import Sized
+
 import torch
 
 from hybridengine.config.run import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
@@ -80,8 +82,9 @@ class Role:
         return gather_response_tensor(local, plan, len(batch), batch.max_response_length,
                                       self.mesh, self.engine.device)
 
-    def _mini_batches(self, batch: Batch, mini_size: int, epochs: int, shuffle: bool, seed: int):
-        """Yield mini-batches (index lists) for every epoch, reproducibly on every rank."""
+    def _mini_batches(self, batch: Sized, mini_size: int, epochs: int, shuffle: bool, seed: int):
+        """Yield mini-batches (index lists of batch's sequences) for every epoch, reproducibly on
+        every rank."""
         n = len(batch)
         for epoch in range(epochs):
             order = list(range(n))
@@ -92,10 +95,12 @@ class Role:
                 yield order[s:s + mini_size]
 
     def _update(self, batch: Batch, mini_size, epochs, shuffle, seed, micro, fields,
-                loss_builder, keep_logprobs: bool = False):
-        """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics. With
-        keep_logprobs (one mini-batch, one epoch), the log-probs of its forward, before the
-        step, become batch.tensors["old_logprob"] ([B, R] on every rank)."""
+                loss_builder, own_first: bool = False):
+        """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics.
+        loss_builder(info, scale, own) makes a mini-batch's loss; own is True for the first
+        mini-batch of the first epoch when own_first: the weights have not moved yet, so its
+        forward is pi_old, and its log-probs (detached, before the step) fill those rows of
+        batch.tensors["old_logprob"] ([B, R] on every rank, which must be there)."""
         def packed(idx):      # host work: done for mini-batch k + 1 during k's backward
             mini = batch.select(idx)
             plan = self._plan(mini, micro)
@@ -111,20 +116,24 @@ class Role:
             info = GlobalBatchInfo.of(mini.response_mask, scale_factor)
             scale = len(mbs) * self.mesh.dp      # metrics: mean over (mb, dp) x scale = sum
             kept: list[torch.Tensor] = []
-            loss_fn = loss_builder(info, scale)
-            if keep_logprobs:
+            own = own_first and k == 0
+            loss_fn = loss_builder(info, scale, own)
+            if own:
                 loss_fn = _keeping_logprobs(loss_fn, kept)
+            # a next mini-batch that holds rows of this one (one mini-batch an epoch) is packed
+            # after their pi_old is written below
+            pack_after = own and k + 1 < len(minis) and not set(minis[k + 1]).isdisjoint(idx)
             pack_next = (lambda i=k + 1: ready.append(packed(minis[i]))) \
-                if k + 1 < len(minis) else None
+                if k + 1 < len(minis) and not pack_after else None
             all_metrics.append(self.engine.train_step(mbs, loss_fn, before_step=pack_next,
                                                       metrics_on_device=True))
-            if keep_logprobs:
+            if own:
                 kept = broadcast_from_last_stage(kept, [mb.num_tokens for mb in mbs], self.mesh,
                                                  device=self.engine.device)
-                old = torch.zeros(len(batch), batch.max_response_length)
-                old[torch.tensor(idx, dtype=torch.long)] = self._response_grid(mini, plan, mbs,
-                                                                               kept)
-                batch.tensors["old_logprob"] = old
+                batch.tensors["old_logprob"][torch.tensor(idx, dtype=torch.long)] = \
+                    self._response_grid(mini, plan, mbs, kept)
+            if pack_after:
+                ready.append(packed(minis[k + 1]))
         return _mean_metrics(all_metrics)
 
 
@@ -138,27 +147,34 @@ class Actor(Role):
         self.policy_loss = policy_loss_config(a)
         self.policy_loss_fn = get_policy_loss_fn(self.policy_loss.loss_mode)
 
-    def on_policy(self, num_sequences: int, n: int) -> bool:
-        """One mini-batch and one epoch: the update starts from the policy that pi_old is (verl's
-        dp_actor then takes the update's own log-probs, detached, as pi_old: the ratio is 1)."""
-        return self.cfg.ppo_epochs == 1 and num_sequences <= self.cfg.ppo_mini_batch_size * n
-
-    def update(self, batch: Batch, n: int, seed: int) -> dict:
-        """One PPO update. On-policy, batch.tensors["old_logprob"] need not be there: the
-        update's forward gives it (set on the batch, for the metrics that compare pi_old with
-        the rollout's log-probs), with no forward of its own."""
+    def first_mini_batch(self, num_sequences: int, n: int, seed: int) -> list[int]:
+        """The sequences of update(seed)'s first optimizer step (all of them with one mini-batch
+        and one epoch): their pi_old is the policy that step starts from, which its own forward
+        computes."""
         a = self.cfg
-        on_policy = self.on_policy(len(batch), n)
-        fields = (() if on_policy else ("old_logprob",)) + ("advantages",) \
-            + (("ref_logprob",) if a.use_kl_loss else ()) \
+        return next(self._mini_batches(range(num_sequences), a.ppo_mini_batch_size * n,
+                                       a.ppo_epochs, a.shuffle, seed))
+
+    def update(self, batch: Batch, n: int, seed: int, old_from_update: bool = False) -> dict:
+        """One PPO update. old_from_update: the first mini-batch (first_mini_batch's rows) takes
+        pi_old from its own forward, detached (the ratio is 1, as verl's dp_actor does
+        on-policy, where that mini-batch is the whole batch), and fills those rows of
+        batch.tensors["old_logprob"], which the caller's forward left unscored (the metrics that
+        compare pi_old with the rollout's log-probs read them after the update)."""
+        a = self.cfg
+        if old_from_update:
+            batch.tensors.setdefault("old_logprob",
+                                     torch.zeros(len(batch), batch.max_response_length))
+        fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ()) \
             + (("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
         micro = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz)
         # clip_cov's random token subset: seeded by the step, drawn in the same order on every
         # TP rank of a replica (the same micro-batches, the same log-probs)
         generator = torch.Generator().manual_seed(seed)
         m = self._update(batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro,
-                         fields, lambda info, scale: self._loss(info, scale, generator, on_policy),
-                         keep_logprobs=on_policy and "old_logprob" not in batch.tensors)
+                         fields,
+                         lambda info, scale, own: self._loss(info, scale, generator, own),
+                         own_first=old_from_update)
         return {f"actor/{k}": v for k, v in m.items()}
 
     def _loss(self, info: GlobalBatchInfo, scale: int, generator: torch.Generator,
@@ -196,7 +212,8 @@ class Critic(Role):
         c = self.cfg
         micro = (c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz)
         m = self._update(batch, c.ppo_mini_batch_size * n, c.ppo_epochs, c.shuffle, seed, micro,
-                         ("values", "returns"), self._loss)
+                         ("values", "returns"),
+                         lambda info, scale, _own: self._loss(info, scale))
         return {f"critic/{k}": v for k, v in m.items()}
 
     def _loss(self, info: GlobalBatchInfo, scale: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -184,8 +185,10 @@ class Trainer:
                         **self.residency.pop_metrics()}
             # verl's critic warm-up: the actor updates once step >= trainer.critic_warmup
             update_actor = step >= self.cfg.trainer.critic_warmup
-            old_from_update = update_actor and self._old_logprob_from_update(len(batch))
-            self._score(batch, timings, sync, old_logprob=not old_from_update)
+            old_from_update = update_actor and self._old_logprob_from_update()
+            own_rows = self.actor.first_mini_batch(len(batch), self._n, step) \
+                if old_from_update else []
+            old_scored = self._score(batch, timings, sync, own_rows)
             with phase("adv", timings, sync):
                 kl_metrics = self._advantages(batch)
                 if not old_from_update:
@@ -197,7 +200,7 @@ class Trainer:
                     out.update(self.critic.update(batch, self._n, step))
             if update_actor:
                 with phase("update_actor", timings, sync):
-                    out.update(self.actor.update(batch, self._n, step))
+                    out.update(self.actor.update(batch, self._n, step, old_from_update))
             if old_from_update:     # metrics only: pi_old came with the update's forward
                 kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out["training/nan_skipped_updates"] = self._skipped_updates(out, len(batch), step)
@@ -208,7 +211,7 @@ class Trainer:
         out.update({f"perf/max_memory_allocated_gb/{k}": v / 2**30
                     for k, v in self.phase_peaks.items()})
         out.update(batch_metrics(batch, self.critic is not None))
-        out.update(self._perf(batch, timings))
+        out.update(self._perf(batch, timings, old_scored))
         return out
 
     @property
@@ -232,26 +235,36 @@ class Trainer:
         if cuda:
             self.phase_peaks[name] = window_peak(self.device)
 
-    def _old_logprob_from_update(self, num_sequences: int) -> bool:
-        """On-policy (Actor.on_policy) and nothing before the update reads pi_old (no KL in the
-        reward, no rollout importance weights): the actor update's own forward gives the old
-        log-probs, and their separate forward is skipped. The loss is the same either way: on
-        the policy the update starts from, verl's actor takes its own log-probs, detached, as
-        pi_old (ratio 1)."""
-        return self.actor.on_policy(num_sequences, self._n) and \
-            not self.cfg.algorithm.use_kl_in_reward and self.rollout_correction.rollout_is is None
+    def _old_logprob_from_update(self) -> bool:
+        """Nothing before the update reads pi_old (no KL in the reward, no rollout importance
+        weights): the actor update's first mini-batch takes its rows' pi_old from its own
+        forward (Actor.first_mini_batch: the weights have not moved yet), so the old-log-prob
+        forward skips them; on-policy (one mini-batch, one epoch) it skips everything, as
+        verl's dp_actor does (its own log-probs, detached, as pi_old: ratio 1)."""
+        return not self.cfg.algorithm.use_kl_in_reward and \
+            self.rollout_correction.rollout_is is None
 
-    def _score(self, batch: Batch, timings, sync, old_logprob: bool = True):
-        phase = self._phase
-        if old_logprob:
+    def _score(self, batch: Batch, timings, sync, own_rows: Sequence[int] = ()) -> list[int]:
+        """The forward-only passes; the old-log-prob one over the rows not in own_rows (those
+        the actor update's own forward scores). Returns the rows it scored."""
+        phase, own = self._phase, set(own_rows)
+        rest = [i for i in range(len(batch)) if i not in own]
+        if len(rest) == len(batch):
             with phase("old_log_prob", timings, sync):
                 batch.tensors["old_logprob"] = self.actor.score(batch, "logprob")
+        elif rest:
+            with phase("old_log_prob", timings, sync):
+                scored = self.actor.score(batch.select(rest), "logprob")
+                old = scored.new_zeros(len(batch), batch.max_response_length)
+                old[torch.tensor(rest, dtype=torch.long)] = scored
+                batch.tensors["old_logprob"] = old
         if self.ref is not None:
             with phase("ref", timings, sync):
                 batch.tensors["ref_logprob"] = self.ref.score(batch, "logprob")
         if self.critic is not None:
             with phase("values", timings, sync):
                 batch.tensors["values"] = self.critic.score(batch, "values")
+        return rest
 
     def _skipped_updates(self, metrics: dict, num_sequences: int, step: int) -> int:
         """trainer.nan_policy on this step's updates: raises (abort) or counts (skip)."""
@@ -291,9 +304,13 @@ class Trainer:
         if self.critic is not None:
             self.critic.engine.optimizer.step_schedule()
 
-    def _perf(self, batch: Batch, timings: dict) -> dict:
-        flops = step_flops(self.actor.engine.cfg, batch.seqlens, self.cfg, self.ref is not None,
-                           self.critic is not None, sum(map(len, batch.response_ids)))
+    def _perf(self, batch: Batch, timings: dict, old_scored: list[int]) -> dict:
+        def of(b: Batch) -> dict:
+            return step_flops(self.actor.engine.cfg, b.seqlens, self.cfg, self.ref is not None,
+                              self.critic is not None, sum(map(len, b.response_ids)))
+        flops = of(batch)
+        if 0 < len(old_scored) < len(batch):       # the update's forward gave the rest
+            flops["old_log_prob"] = of(batch.select(old_scored))["old_log_prob"]
         flops = {p: f for p, f in flops.items() if p in timings}     # the phases that ran
         return perf_metrics(batch, timings, flops, self.world, self.peak, self.device)
 
