@@ -249,14 +249,13 @@ class Trainer:
         the actor update's own forward scores). Returns the rows it scored."""
         phase, own = self._phase, set(own_rows)
         rest = [i for i in range(len(batch)) if i not in own]
-        if len(rest) == len(batch):
+        if rest:
             with phase("old_log_prob", timings, sync):
-                batch.tensors["old_logprob"] = self.actor.score(batch, "logprob")
-        elif rest:
-            with phase("old_log_prob", timings, sync):
-                scored = self.actor.score(batch.select(rest), "logprob")
-                old = scored.new_zeros(len(batch), batch.max_response_length)
-                old[torch.tensor(rest, dtype=torch.long)] = scored
+                whole = len(rest) == len(batch)
+                old = self.actor.score(batch if whole else batch.select(rest), "logprob")
+                if not whole:        # own_rows stay 0 here: the update fills them
+                    old, part = old.new_zeros(len(batch), batch.max_response_length), old
+                    old[torch.tensor(rest, dtype=torch.long)] = part
                 batch.tensors["old_logprob"] = old
         if self.ref is not None:
             with phase("ref", timings, sync):
