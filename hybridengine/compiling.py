@@ -125,3 +125,14 @@ def compile_breakdown() -> list[str]:
             False else "frame"
         lines.append(f"{describe(r)} [{kind}; {parts or 'no parts'}{cache}]")
     return lines
+
+
+def compile_timers(min_seconds: float = 0.5) -> dict[str, float]:
+    """torch's timed compilation steps so far in this process (dynamo_timed: tracing, AOT,
+    inductor's lowering and code generation, `PyCodeCache.load_by_key_path` — loading a cached
+    graph's module, which builds a C++ wrapper's binding — `async_compile.wait`, ...), seconds
+    summed over all compilations, the steps of at least min_seconds, longest first."""
+    from torch._dynamo.utils import compile_times
+    names, values = compile_times(repr="csv", aggregate=True)
+    timers = {n: float(v) for n, v in zip(names, values) if float(v) >= min_seconds}
+    return dict(sorted(timers.items(), key=lambda kv: -kv[1]))

@@ -289,3 +289,18 @@ def test_compile_breakdown_names_each_compilation_and_its_parts():
     compile_fn(doubled_sine, backend="aot_eager")(torch.randn(4))
     lines = [line for line in compile_breakdown() if line.startswith("doubled_sine")]
     assert lines and "[frame; dynamo" in lines[-1] and "aot" in lines[-1], lines
+
+
+def test_compile_timers_sum_the_timed_steps_longest_first():
+    """compiling.compile_timers: torch's timed compilation steps, seconds summed over the
+    process, longest first; dynamo's top-level step covers the AOT one inside it."""
+    from hybridengine.compiling import compile_timers
+
+    def tripled_cosine(x):
+        return x.cos() * 3
+    compile_fn(tripled_cosine, backend="aot_eager")(torch.randn(4))
+    timers = compile_timers(min_seconds=0.0)
+    seconds = list(timers.values())
+    assert seconds == sorted(seconds, reverse=True) and all(s >= 0 for s in seconds)
+    assert timers["_compile.compile_inner"] >= timers["create_aot_dispatcher_function"] > 0
+    assert all(s >= 0.5 for s in compile_timers().values())

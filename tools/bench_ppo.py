@@ -62,7 +62,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-from hybridengine.compiling import compile_breakdown  # noqa: E402
+from hybridengine.compiling import compile_breakdown, compile_timers  # noqa: E402
 from hybridengine.config import load_config  # noqa: E402
 from hybridengine.kernels.logprob import cuda_extension  # noqa: E402
 from hybridengine.models.hf_config import hf_config  # noqa: E402
@@ -418,6 +418,7 @@ def run(args) -> dict:
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     compile_records: list[str] = []
+    compile_steps: dict[str, float] = {}
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
@@ -429,7 +430,7 @@ def run(args) -> dict:
             f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU"
             + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else ""))
         if step == 1:       # what step 1's compilations spent, cache warm or cold
-            compile_records = compile_breakdown()
+            compile_records, compile_steps = compile_breakdown(), compile_timers()
             for line in compile_records:
                 log(f"  compiled: {line}")
         if step > args.warmup:
@@ -471,7 +472,7 @@ def run(args) -> dict:
             "kv_layout": cfg.actor_rollout_ref.rollout.kv_layout,
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
-            "compile_records_step1": compile_records,
+            "compile_records_step1": compile_records, "compile_timers_step1": compile_steps,
             "val_s": val_s, "mean": mean, "steps": steps,
             **memory_check(trainer, peak_gb, phase_gb),
             **({"profile": profile} if profile is not None else {}),
