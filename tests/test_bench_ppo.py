@@ -43,6 +43,9 @@ def test_tiny_run_reports_the_memory_plan(bench_ppo_tiny):
                                              "measured_gb": None, "measured_over_plan": None}
     assert out["steps"][0]["rollout/num_slots"] == plan["kv_slots"]
     assert out["steps"][0]["rollout/max_concurrent"] == 128      # 16 prompts x 8: all at once
+    # each step's garbage collections: counts and milliseconds per generation
+    assert set(out["gc_by_step"]) == {"1"} and set(out["gc_by_step"]["1"]) == {"collections", "ms"}
+    assert len(out["gc_by_step"]["1"]["collections"]) == 3
 
 
 def test_tiny_run_draws_response_lengths_and_logs_its_phases(bench_ppo_tiny):

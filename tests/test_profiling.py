@@ -134,3 +134,22 @@ def test_bench_ppo_profiles_every_phase_with_offload(bench_ppo_tiny):
     host = out["profile"]["update_actor"]["host_ms"]
     assert {"train.forward", "train.backward", "train.optimizer"} <= host.keys()
     assert out["mean"]["timing_s/offload"] > 0 and out["offload"] == "grads,optimizer"
+
+
+def test_gc_pauses_count_and_time_each_generation_per_take():
+    """GcPauses: the collections between two takes, per generation, with their milliseconds;
+    a take resets them, and close() stops the counting."""
+    import gc
+    pauses = _tool.GcPauses()
+    try:
+        pauses.take()
+        gc.collect(2)
+        gc.collect(0)
+        taken = pauses.take()
+        assert taken["collections"][2] >= 1 and taken["collections"][0] >= 1
+        assert taken["ms"][2] > 0 and all(ms >= 0 for ms in taken["ms"])
+        assert pauses.take()["collections"][2] == 0
+    finally:
+        pauses.close()
+    gc.collect(2)
+    assert pauses.take()["collections"] == [0, 0, 0]

@@ -73,7 +73,7 @@ from hybridengine.rl.memory import (device_budget, memory_errors, memory_report,
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
 from hybridengine.train.compile_layers import layer_group_size  # noqa: E402
-from profiling import host_diagnosis, profile_ranges  # noqa: E402
+from profiling import GcPauses, host_diagnosis, profile_ranges  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_actor",
@@ -419,16 +419,19 @@ def run(args) -> dict:
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     compile_records: list[str] = []
     compile_steps: dict[str, float] = {}
+    gc_pauses, gc_by_step = GcPauses(), {}
     for step in range(1, args.warmup + args.steps + 1):
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
+        gc_by_step[step] = gc_pauses.take()
         if "perf/max_memory_allocated_gb" in m:
             peak_gb = max(peak_gb or 0.0, m["perf/max_memory_allocated_gb"])
         phase_peaks(phase_gb, m)
         log(f"step {step}: {time.perf_counter() - t0:.2f} s, "
             f"throughput {m.get('perf/throughput', 0):.0f} tok/s/GPU"
-            + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else ""))
+            + (f", compile {compile_s[step]:.1f} s" if compile_s[step] else "")
+            + f", gc {sum(gc_by_step[step]['ms']):.1f} ms {gc_by_step[step]['collections']}")
         if step == 1:       # what step 1's compilations spent, cache warm or cold
             compile_records, compile_steps = compile_breakdown(), compile_timers()
             for line in compile_records:
@@ -442,6 +445,7 @@ def run(args) -> dict:
             trainer.validate()
             val_s[step] = time.perf_counter() - t0
             log(f"validation after step {step}: {val_s[step]:.2f} s")
+    gc_pauses.close()
     extra_steps = itertools.count(step + 1)      # the untimed, diagnosed steps after them
 
     def one_more_step():
@@ -473,6 +477,7 @@ def run(args) -> dict:
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
             "compile_records_step1": compile_records, "compile_timers_step1": compile_steps,
+            "gc_by_step": gc_by_step,
             "val_s": val_s, "mean": mean, "steps": steps,
             **memory_check(trainer, peak_gb, phase_gb),
             **({"profile": profile} if profile is not None else {}),

@@ -17,7 +17,9 @@ can be tested off-GPU.
 from __future__ import annotations
 
 import bisect
+import gc
 import re
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -295,3 +297,34 @@ def host_diagnosis(fn, top: int = 30, stack_depth: int = 4) -> dict:
     return {"columns": ["function", "calls", "own_ms", "cumulative_ms"],
             "by_own_time": rows(2), "by_cumulative_time": rows(3),
             "syncs": dict(sorted(syncs.items(), key=lambda kv: -kv[1])[:top])}
+
+
+class GcPauses:
+    """Python's garbage collections while installed (gc.callbacks): per generation, how many ran
+    and their milliseconds, taken (and reset) once per step. A collection of the oldest
+    generation walks every tracked object, the compiled graphs' included: a host pause the device
+    waits out when it lands inside a host-bound phase (the update phases' run-to-run spread is the
+    suspect it tests)."""
+
+    def __init__(self):
+        self._started: float | None = None
+        self._counts, self._ms = [0, 0, 0], [0.0, 0.0, 0.0]
+        gc.callbacks.append(self._on_collect)
+
+    def _on_collect(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            generation = info["generation"]
+            self._counts[generation] += 1
+            self._ms[generation] += (time.perf_counter() - self._started) * 1e3
+            self._started = None
+
+    def take(self) -> dict:
+        """{"collections": [gen 0, 1, 2], "ms": [...]} since the last take."""
+        out = {"collections": self._counts, "ms": [round(ms, 2) for ms in self._ms]}
+        self._counts, self._ms = [0, 0, 0], [0.0, 0.0, 0.0]
+        return out
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_collect)
