@@ -75,8 +75,9 @@ def test_memory_check_puts_each_phase_peak_beside_the_plan(monkeypatch):
     plan = MemoryPlan({"reshard": {"actor.weights": 6 * gib}, "rollout": {"x": 8 * gib},
                        "update_actor": {"actor.weights": 10 * gib, "actor.activations": 10 * gib}},
                       {}, 0, 4, "max_num_seqs", 0)
-    monkeypatch.setattr(bench, "plan_run_memory", lambda *a: plan)
-    monkeypatch.setattr(bench, "device_budget", lambda *a: None)
+    memory = load_tool("bench_memory")       # bench_ppo's memory check (tools/bench_memory.py)
+    monkeypatch.setattr(memory, "plan_run_memory", lambda *a: plan)
+    monkeypatch.setattr(memory, "device_budget", lambda *a: None)
     trainer = SimpleNamespace(cfg=None, layout=None, critic=None, device=torch.device("cpu"),
                               actor=SimpleNamespace(engine=SimpleNamespace(cfg=None)))
     peaks = {}
@@ -84,8 +85,8 @@ def test_memory_check_puts_each_phase_peak_beside_the_plan(monkeypatch):
                   "perf/max_memory_allocated_gb/rollout": 9.0, "perf/throughput": 1.0},
                  {"perf/max_memory_allocated_gb/update_actor": 18.0,
                   "perf/max_memory_allocated_gb/adv": 1.0}):
-        bench.phase_peaks(peaks, step)
-    out = bench.memory_check(trainer, 18.0, peaks)
+        memory.phase_peaks(peaks, step)
+    out = memory.memory_check(trainer, 18.0, peaks)
     assert out["plan"]["peak_gb"] == 20.0 and out["plan"]["peak_phase"] == "update_actor"
     assert out["measured_over_plan"] == 0.9
     assert out["plan"]["phases_gb"] == {"reshard": 6.0, "rollout": 8.0, "update_actor": 20.0}
