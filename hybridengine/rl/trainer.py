@@ -186,9 +186,8 @@ class Trainer:
             # verl's critic warm-up: the actor updates once step >= trainer.critic_warmup
             update_actor = step >= self.cfg.trainer.critic_warmup
             old_from_update = update_actor and self._old_logprob_from_update()
-            own_rows = self.actor.first_mini_batch(len(batch), self._n, step) \
-                if old_from_update else []
-            old_scored = self._score(batch, timings, sync, own_rows)
+            own = self.actor.first_mini_batch(len(batch), self._n, step) if old_from_update else []
+            old_scored = self._score(batch, timings, sync, own)
             with phase("adv", timings, sync):
                 kl_metrics = self._advantages(batch)
                 if not old_from_update:
@@ -304,12 +303,13 @@ class Trainer:
             self.critic.engine.optimizer.step_schedule()
 
     def _perf(self, batch: Batch, timings: dict, old_scored: list[int]) -> dict:
-        def of(b: Batch) -> dict:
-            return step_flops(self.actor.engine.cfg, b.seqlens, self.cfg, self.ref is not None,
-                              self.critic is not None, sum(map(len, b.response_ids)))
-        flops = of(batch)
+        seqlens, resp = batch.seqlens, [len(r) for r in batch.response_ids]
+        of = lambda rows: step_flops(                          # noqa: E731  these rows' FLOPs
+            self.actor.engine.cfg, [seqlens[i] for i in rows], self.cfg, self.ref is not None,
+            self.critic is not None, sum(resp[i] for i in rows))
+        flops = of(range(len(batch)))
         if 0 < len(old_scored) < len(batch):       # the update's forward gave the rest
-            flops["old_log_prob"] = of(batch.select(old_scored))["old_log_prob"]
+            flops["old_log_prob"] = of(old_scored)["old_log_prob"]
         flops = {p: f for p, f in flops.items() if p in timings}     # the phases that ran
         return perf_metrics(batch, timings, flops, self.world, self.peak, self.device)
 
