@@ -175,7 +175,7 @@ for p in $parts; do case $p in
            # variant, same process), compiled, CUDA graphs: the short benchmark (256 x 512 + 256),
            # GRPO-shaped (32 prompts x n 8: one prefill per prompt), long responses (lognormal,
            # mean 2,048, up to 16,384) at 0.5B, then the long workload at 7B paged alone
-           # (PAGED_RUNS: a subset of short grpo long tail tail_wide long7b; PAGED_VARIANTS: the short run's
+           # (PAGED_RUNS: a subset of short grpo long long_half tail tail_wide long7b; PAGED_VARIANTS: the short run's
            # variants, e.g. static,block64; PAGED_ARGS: more flags for every run, e.g. --profile)
            long="--new-tokens 16384 --response-lengths lognormal:2048:${PAGED_SIGMA:-0.8}"
            for r in ${PAGED_RUNS:-short grpo long long7b}; do case $r in
@@ -188,6 +188,10 @@ for p in $parts; do case $p in
              tail_wide) # the same rows in the long workload's tables (16,896 tokens wide): its
                      # tail as it runs there, where splitting each row's own keys counts
                      run paged_tail_wide python3 tools/bench_rollout.py --compile --compile-prefill --kv-layout paged --batch 8 --prompt-len 4096 --new-tokens 1024 --max-model-len 16896 --variants static ${PAGED_ARGS:-} ;;
+             long_half) # the long workload in a cache of 128 rows of 16,896 tokens for its 256
+                     # sequences, both layouts (static: continuous batching over 128 rows; paged:
+                     # the same bytes in blocks): what kv_layout=auto decides between
+                     run paged_long_half python3 tools/bench_rollout.py --compile --compile-prefill --kv-layout paged $long --repeat 1 --kv-cache-tokens $((129 * 16896)) --variants static ${PAGED_ARGS:-} ;;
              long7b) run paged_long_7b python3 tools/bench_rollout.py --model qwen2.5-7b --compile --compile-prefill --kv-layout paged $long --repeat 1 ;;
            esac; done ;;
   paged_ppo) # issue 25: the GRPO step (0.5B, 32 prompts x 8, defaults) with responses of up to

@@ -113,12 +113,19 @@ def test_plan_for_one_h200_picks_free_gradients_and_the_host_step(monkeypatch, c
     128 GB host can give. Too little host memory: one line naming the host."""
     h3 = _plan_for(monkeypatch, capsys, "--plan-for", "139.8", "--model", "3b")
     assert h3["auto_offload"] == ["actor.grad_offload=true"] and h3["kv_slots"] == 256
+    assert h3["kv_layout"] == "static"          # kv_layout=auto: a row for every sequence
     assert h3["errors"] == [] and h3["host_gib_per_rank"] == 0
     h7 = _plan_for(monkeypatch, capsys, "--plan-for", "139.8", "--model", "7b")
     assert h7["auto_offload"] == ["actor.grad_offload=true", "actor.optimizer_offload=host_step"]
     assert h7["errors"] == [] and h7["kv_slots"] == 256
     n = 7_615_616_512                 # Qwen2.5-7B's parameters (test_model_choices_are_...)
     assert abs(h7["host_gib_per_rank"] * 2**30 / (12 * n) - 1) < 0.01
+    assert h7["kv_layout"] == "static"
+    # 16k-token responses: rows of 16,896 tokens for 128 of the 256 sequences at most, so
+    # kv_layout=auto takes the paged layout (the offload still maximises the KV room)
+    long = _plan_for(monkeypatch, capsys, "--plan-for", "139.8", "--model", "1.5b", "--set",
+                     "data.max_response_length=16384")
+    assert long["kv_layout"] == "paged" and 1 <= long["kv_slots"] < 256 and not long["errors"]
     short = _plan_for(monkeypatch, capsys, "--plan-for", "139.8", "--host-gib", "80",
                       "--model", "7b")
     assert len(short["errors"]) == 1 and short["errors"][0].startswith(

@@ -433,15 +433,7 @@ def test_auto_offload_takes_the_cheapest_parts_that_make_the_batch_fit():
     assert rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu) == []
     assert cfg.actor_rollout_ref.actor.megatron.optimizer_offload is False
     assert rl_memory.offload_summary(cfg) == "none"
-    # the smallest budget (MiB steps) at which the run holds its batch without offload
-    lo, hi = 1, 4096
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _holds_batch(*_default_run(mid / 1024, **dict.fromkeys(
-            ("actor.param_offload", "actor.grad_offload", "actor.optimizer_offload",
-             "ref.param_offload", "critic.param_offload", "critic.grad_offload",
-             "critic.optimizer_offload"), False))) else (mid + 1, hi)
-    assert 1 < lo < 4096
+    lo = round(_static_batch_budget_gb() * 1024)    # MiB: holds its batch without offload
     cfg, layout, model = _default_run((lo - 1) / 1024)  # 1 MiB short: offload must help
     chosen = rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu)
     assert chosen and chosen[0] == "actor.grad_offload=true", chosen   # free: no copy
@@ -464,6 +456,63 @@ def test_auto_offload_takes_the_cheapest_parts_that_make_the_batch_fit():
     assert rl_memory.resolve_auto_offload(cfg, layout, model, model, cpu) == []
     assert rl_memory.memory_errors(cfg, layout, model, model, cpu)[0].startswith(
         "memory plan: update_actor needs ")
+
+
+def _static_batch_budget_gb() -> float:
+    """The smallest budget (MiB steps) at which the default job (no offload) holds its whole
+    batch in static rows."""
+    lo, hi = 1, 4096
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _holds_batch(*_default_run(mid / 1024, **dict.fromkeys(
+            ("actor.param_offload", "actor.grad_offload", "actor.optimizer_offload",
+             "ref.param_offload", "critic.param_offload", "critic.grad_offload",
+             "critic.optimizer_offload"), False))) else (mid + 1, hi)
+    assert 1 < lo < 4096
+    return lo / 1024
+
+
+def test_auto_kv_layout_is_paged_only_where_static_rows_would_run_in_waves():
+    cpu = torch.device("cpu")
+    no_offload = dict.fromkeys(("actor.param_offload", "actor.grad_offload",
+                                "actor.optimizer_offload", "ref.param_offload"), False)
+
+    def resolved(budget_gb, *settings, **flags):
+        cfg, layout, model = _default_run(budget_gb, **{**no_offload, **flags})
+        for key, value in (s.split("=") for s in settings):
+            setattr(cfg.actor_rollout_ref.rollout, key, int(value) if value.isdigit() else value)
+        rl_memory.resolve_kv_layout(cfg, layout, model, model, cpu)
+        report = rl_memory.memory_report(cfg, layout, model, model, cpu)
+        return cfg.actor_rollout_ref.rollout.kv_layout, report[-1]
+
+    enough = _static_batch_budget_gb()
+    assert _default_run()[0].actor_rollout_ref.rollout.kv_layout == "auto"     # the default
+    assert resolved(None)[0] == "static"                 # no budget (the CPU): static rows
+    assert resolved(enough)[0] == "static"               # every sequence has its row
+    layout, line = resolved(enough - 1 / 1024)           # one row short: waves -> paged
+    assert layout == "paged", line
+    assert line.startswith("KV cache: paged, blocks of 16 tokens in ") and \
+        "a generation replica's 128 sequences are admitted as their blocks fit" in line, line
+    # static, with the waves' warning, where paged cannot run or would not help
+    for setting in ("attn_backend=flash", "name=vllm", "max_num_seqs=8"):
+        layout, line = resolved(enough - 1 / 1024, setting)
+        assert layout == "static", setting
+        if setting != "name=vllm":
+            assert line.startswith("warning: memory plan: the KV cache holds "), line
+    assert resolved(enough - 1 / 1024, "kv_layout=static")[0] == "static"   # set by hand
+    assert resolved(None, "kv_layout=paged")[0] == "paged"
+
+
+def test_preflight_refuses_paged_where_the_rollout_cannot_take_it():
+    from hybridengine.rl.preflight import preflight
+    cfg = _default_run()[0]
+    cfg.actor_rollout_ref.rollout.kv_layout = "paged"
+    cfg.actor_rollout_ref.rollout.attn_backend = "flash"
+    _, errors = preflight(cfg, 1)
+    assert errors == ["actor_rollout_ref.rollout.kv_layout=paged: rollout.attn_backend=flash "
+                      "reads static rows; use static or auto"], errors
+    cfg.actor_rollout_ref.rollout.attn_backend = "auto"
+    assert preflight(cfg, 1)[1] == []
 
 
 def test_moe_plan_equals_allocation(one_thread):

@@ -248,5 +248,12 @@ def test_bench_rollout_takes_the_paged_layout_samples_and_response_lengths(capsy
     args = bench.parse_args(["--tiny", "--kv-layout", "paged", "--max-model-len", "96"])
     assert bench.rollout_config(args).max_model_len == 96
     assert bench.rollout_config(bench.parse_args(["--tiny"])).max_model_len == 16 + 8
+    # --kv-cache-tokens: one size for either layout (static rows fewer than the sequences)
+    for layout in ("static", "paged"):
+        config = bench.rollout_config(bench.parse_args(
+            ["--tiny", "--kv-layout", layout, "--kv-cache-tokens", "72"]))
+        assert config.kv_cache_tokens == 72 and config.kv_layout == layout
+    assert bench.rollout_config(bench.parse_args(["--tiny", "--kv-layout", "paged"])
+                                ).kv_cache_tokens is None
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny", "--max-model-len", "23"])

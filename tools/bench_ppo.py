@@ -69,7 +69,8 @@ from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
 from hybridengine.rl.memory import (device_budget, memory_errors, memory_report,  # noqa: E402
-                                    plan_run_memory, resolve_auto_offload)
+                                    plan_run_memory, resolve_auto_offload,
+                                    resolve_kv_layout)
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
 from hybridengine.train.compile_layers import layer_group_size  # noqa: E402
@@ -308,6 +309,7 @@ def plan_for(args) -> dict:
         critic = model if args.algo == "ppo" else None
         cuda = torch.device("cuda")
         chosen = resolve_auto_offload(cfg, layout, model, critic, cuda)
+        resolve_kv_layout(cfg, layout, model, critic, cuda)
         errors = memory_errors(cfg, layout, model, critic, cuda)
         lines = memory_report(cfg, layout, model, critic, cuda)
         plan = plan_run_memory(cfg, layout, model, critic, cuda, device_budget(cfg, cuda))
@@ -317,6 +319,7 @@ def plan_for(args) -> dict:
         log(line)
     return {"model": model_name(args.model), "algo": args.algo, "device_gib": args.plan_for,
             "host_gib": args.host_gib, "auto_offload": chosen, "errors": errors,
+            "kv_layout": cfg.actor_rollout_ref.rollout.kv_layout,
             "kv_slots": plan.kv_slots, "peak_phase": plan.peak_phase,
             "phases_gib": {p: plan.total(p) / 2**30 for p in plan.phases},
             "host_gib_per_rank": plan.host / 2**30}
@@ -428,7 +431,7 @@ def run(args) -> dict:
             "cuda_graphs": not cfg.actor_rollout_ref.rollout.enforce_eager,
             "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
             "response_lengths": args.response_lengths,
-            "kv_layout": cfg.actor_rollout_ref.rollout.kv_layout,
+            "kv_layout": trainer.cfg.actor_rollout_ref.rollout.kv_layout,    # auto resolved
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
             "compile_records_step1": compile_records, "compile_timers_step1": compile_steps,

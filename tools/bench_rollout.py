@@ -105,8 +105,9 @@ def rollout_config(args) -> RolloutConfig:
     them (so that every variant runs the same batch), the flags' knobs, kernel_settings."""
     max_len, seqs = args.max_model_len or args.prompt_len + args.new_tokens, args.batch * args.n
     # static: exactly a row per sequence; paged: the device's budget (gpu_memory_utilization),
-    # which admission by blocks fills as the sequences' real lengths need
-    tokens = (seqs + 1) * max_len if args.kv_layout == "static" else None
+    # which admission by blocks fills as the sequences' real lengths need; --kv-cache-tokens:
+    # the same size for both (fewer rows than sequences: the case kv_layout=auto hands to paged)
+    tokens = args.kv_cache_tokens or ((seqs + 1) * max_len if args.kv_layout == "static" else None)
     return RolloutConfig(max_num_seqs=seqs, max_model_len=max_len,
                          kv_cache_tokens=tokens, kv_layout=args.kv_layout,
                          block_size=args.block_size,
@@ -148,7 +149,14 @@ def _bench_engine(model, prompts, args, device) -> dict:
     compiling = args.compile is not CompileMode.EAGER
     log(f"engine warm-up (graph capture{', compile' if compiling else ''})")
     t0 = time.perf_counter()
-    engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)))
+    # with spread lengths the timed batch shrinks through every decode graph's bucket, captured
+    # (and compiled) at first use: so does the warm-up, each prompt stopping one token after the
+    # one before (the long workload's first timed run took 1.25-1.28x its second without it,
+    # bench/RESULTS.md session 30)
+    spread = [min(args.new_tokens, i + 1) for i in range(len(prompts))] \
+        if args.response_lengths else None
+    engine.generate(prompts, replace(params, max_tokens=min(8, args.new_tokens)),
+                    max_tokens=spread)
     sync(device)
     warmup_s = time.perf_counter() - t0
     log(f"engine: {args.batch} x {args.n} x ({args.prompt_len} + {args.new_tokens}) tokens, "
@@ -223,6 +231,9 @@ def parse_args(argv=None):
     ap.add_argument("--kv-layout", default="static", choices=KV_LAYOUTS,
                     help="the KV cache: a max_model_len row per sequence, or blocks")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (paged)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="the KV cache's size in tokens, either layout (default: static, a row "
+                         "per sequence; paged, the device's budget)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed generate calls after the warm-up; the median one is reported "
                          "(all in runs_s)")

@@ -24,8 +24,8 @@ def choices() -> dict[str, tuple[str, ...]]:
     from hybridengine.rl.memory import PARAM_DTYPES
     from hybridengine.rl.preflight import DEVICES
     from hybridengine.rl.rewards import REWARD_MANAGERS
-    from hybridengine.rollout.rollout_config import BACKENDS as ATTN_BACKENDS, KV_LAYOUTS, \
-        PREFILL_ATTENTION
+    from hybridengine.rollout.rollout_config import BACKENDS as ATTN_BACKENDS, \
+        PREFILL_ATTENTION, RUN_KV_LAYOUTS
     from hybridengine.train.lr_schedule import WARMUP_STYLES
     return {
         "data.truncation": TRUNCATION_MODES,
@@ -41,7 +41,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         _R + "name": ROLLOUT_BACKENDS,
         _R + "attn_backend": ATTN_BACKENDS,
         _R + "prefill_attention": PREFILL_ATTENTION,
-        _R + "kv_layout": KV_LAYOUTS,
+        _R + "kv_layout": RUN_KV_LAYOUTS,
         "reward_model.reward_manager": REWARD_MANAGERS,
         "algorithm.adv_estimator": adv_estimator_names(),
         "algorithm.kl_ctrl.type": KL_CONTROLLERS,

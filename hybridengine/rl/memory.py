@@ -21,6 +21,7 @@ from hybridengine.hybrid.generator import max_prefill_tokens
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
+from hybridengine.rollout.rollout_config import STATIC_ONLY_BACKENDS
 from hybridengine.train.memory_advice import fit_error, fits, gib_text, kv_slots_short
 from hybridengine.train.memory_plan import (MemoryPlan, RoleSpec, RolloutSpec, host_memory,
                                             plan_memory)
@@ -283,8 +284,60 @@ def offload_summary(cfg) -> str:
     return "; ".join(parts) or "none"
 
 
+def paged_unsupported(cfg, actor_model: ModelConfig) -> str | None:
+    """Why this run's rollout cannot take kv_layout=paged, or None."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.name != "builtin":
+        return f"rollout.name={r.name} manages its own cache"
+    if r.attn_backend in STATIC_ONLY_BACKENDS:
+        return f"rollout.attn_backend={r.attn_backend} reads static rows"
+    if any(actor_model.attention_spec(i) for i in range(actor_model.num_layers)):
+        return "the model has sliding-window or soft-capped attention"
+    return None
+
+
+def resolve_kv_layout(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
+                      device: torch.device) -> None:
+    """rollout.kv_layout=auto of the loaded tree `cfg`, in place (after the offload flags):
+    static, a row of max_model_len tokens per sequence, the faster layout while a generation
+    replica's batch has a row each (bench/RESULTS.md sessions 18-22: 0.97x on 256 x (512 + 256),
+    equal in a GRPO step); paged where the device budget holds fewer rows than that batch (the
+    static rollout would run in waves, each as long as its longest response) and the paged
+    layout can run (paged_unsupported): its blocks follow the tokens actually held (1.01-1.05x)
+    and admit the whole batch, preempting the youngest when they run out. Without a device
+    budget (the CPU without trainer.device_memory_gb) or with the rows capped by max_num_seqs:
+    static."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.kv_layout != "auto":
+        return
+    r.kv_layout = "static"
+    budget = device_budget(cfg, device)
+    if budget is None or paged_unsupported(cfg, actor_model) is not None:
+        return
+    plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
+    if plan.kv_limit == "memory" and 1 <= plan.kv_slots < replica_sequences(cfg, layout):
+        r.kv_layout = "paged"
+
+
+def _kv_line(cfg, plan: MemoryPlan, layout) -> str | None:
+    """The KV cache's line of the start report: the warning when static rows run the batch in
+    waves (kv_slots_short), the paged layout's size in tokens."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.name != "builtin" or plan.inputs[1] is None:
+        return None
+    if r.kv_layout != "paged":
+        warning = kv_slots_short(plan, replica_sequences(cfg, layout))
+        return f"warning: {warning}" if warning else None
+    L = plan.inputs[1].max_model_len
+    rows = f"{plan.kv_slots} rows" if plan.kv_limit == "memory" else \
+        f"at least {plan.kv_slots} rows"
+    return (f"KV cache: paged, blocks of {r.block_size} tokens in {gib_text(plan.kv_cache)} or "
+            f"more ({rows} of max_model_len={L}); a generation replica's "
+            f"{replica_sequences(cfg, layout)} sequences are admitted as their blocks fit")
+
+
 def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) -> list[str]:
-    """The lines printed at start: the plan's table, and the KV warning when it applies."""
+    """The lines printed at start: the plan's table, and the KV cache's line when it applies."""
     budget = device_budget(cfg, device)
     plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
     where = f", device budget {budget / 2**30:.1f} GiB" if budget else ""
@@ -294,5 +347,5 @@ def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) 
              + (f" ({gib_text(plan.host)} per rank, {ranks_per_host()} rank(s) on this host"
                 + (f" of {gib_text(host)} allowed)" if host is not None else ")")
                 if plan.host else "")]
-    warning = kv_slots_short(plan, replica_sequences(cfg, layout))
-    return lines + ([f"warning: {warning}"] if warning else [])
+    kv = _kv_line(cfg, plan, layout)
+    return lines + ([kv] if kv else [])

@@ -8,8 +8,10 @@ out together, one line each (launch/ppo.py prints them, exit 2):
   such directory, a hub id, a file, broken JSON) before the tokenizer looks in it, and prompt +
   response within its context (verl's rollout refuses a longer max_model_len too; positions past
   max_position_embeddings were never trained);
-- the memory plan (rl.memory): the `auto` offload flags are resolved from it (in the tree), then
-  a run that cannot fit its device budget says so in one line, with the settings that would fit;
+- rollout.kv_layout=paged where the rollout cannot take it (rl.memory.paged_unsupported);
+- the memory plan (rl.memory): the `auto` offload flags and rollout.kv_layout=auto are resolved
+  from it (in the tree), then a run that cannot fit its device budget says so in one line, with
+  the settings that would fit;
 - a LoRA run's lora_adapter_path is a PEFT adapter directory.
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ from hybridengine.config import ConfigError, uses_critic, validate_config
 from hybridengine.config.run import RunConfig
 from hybridengine.models.hf import read_model_config
 from hybridengine.parallel.layout import RunLayout
-from hybridengine.rl.memory import memory_errors, resolve_auto_offload
+from hybridengine.rl.memory import (memory_errors, paged_unsupported, resolve_auto_offload,
+                                    resolve_kv_layout)
 from hybridengine.rl.tracking import check_backends
 
 
@@ -68,10 +71,16 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
                       f"directory (no adapter_config.json)")
     if layout is not None:
         errors += _context_parallel_errors(layout, models)
+    actor = models.get("actor_rollout_ref.model.path")
+    if actor is not None and cfg.actor_rollout_ref.rollout.kv_layout == "paged":
+        why = paged_unsupported(cfg, actor)
+        if why:
+            errors.append(f"actor_rollout_ref.rollout.kv_layout=paged: {why}; use static or auto")
     if not errors:                  # the memory plan needs a sound config and the model shapes
         actor = models["actor_rollout_ref.model.path"]
         critic, device = models.get("critic.model.path", actor), run_device(cfg)
         resolve_auto_offload(cfg, layout, actor, critic, device)
+        resolve_kv_layout(cfg, layout, actor, critic, device)
         errors += memory_errors(cfg, layout, actor, critic, device)
     return layout, errors
 

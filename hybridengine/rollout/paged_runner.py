@@ -51,7 +51,7 @@ from hybridengine.rollout.paged_cache import PagedKVCache
 from hybridengine.rollout.paged_context import PagedDecodeContext, PagedPrefillContext
 from hybridengine.rollout.paged_scheduler import PrefillGroup
 from hybridengine.rollout.prefill_plan import add_prefix_index, paged_prefill_plan, plan_dense
-from hybridengine.rollout.rollout_config import RolloutConfig
+from hybridengine.rollout.rollout_config import STATIC_ONLY_BACKENDS, RolloutConfig
 from hybridengine.rollout.slot_state import Pending, SlotState, h2d_into
 
 
@@ -65,7 +65,7 @@ def resolve_paged_backend(requested: str, device: torch.device,
         raise ValueError(f"attn_backend='triton' needs triton (CUDA, or TRITON_INTERPRET=1), "
                          f"q heads divisible by K/V heads and a power-of-two head_dim >= 16 "
                          f"(device={device}, q, kv heads, head_dim = {heads})")
-    if requested in ("flash", "flash_per_head"):
+    if requested in STATIC_ONLY_BACKENDS:
         raise ValueError(f"attn_backend={requested!r} reads the static layout's cache rows: "
                          f"kv_layout=paged decodes with triton or sdpa")
     if requested == "auto":

@@ -22,6 +22,10 @@ BACKENDS = ("auto", "triton", "flash", "flash_per_head", "sdpa")
 PREFILL_ATTENTION = ("auto", "varlen", "dense")
 # KV-cache layouts: a max_model_len row per sequence (kv_cache.py) or blocks (paged_cache.py)
 KV_LAYOUTS = ("static", "paged")
+# a run's rollout.kv_layout: one of those, or auto (the run picks: rl.memory.resolve_kv_layout)
+RUN_KV_LAYOUTS = ("auto", *KV_LAYOUTS)
+# decode backends that read the static layout's rows only (the paged layout refuses them)
+STATIC_ONLY_BACKENDS = ("flash", "flash_per_head")
 # tokens per block of the paged layout: vLLM's default, fine-grained sharing, a short table
 DEFAULT_BLOCK_SIZE = 16
 
