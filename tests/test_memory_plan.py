@@ -499,7 +499,10 @@ def test_auto_kv_layout_is_paged_only_where_static_rows_would_run_in_waves():
         assert layout == "static", setting
         if setting != "name=vllm":
             assert line.startswith("warning: memory plan: the KV cache holds "), line
-    assert resolved(enough - 1 / 1024, "kv_layout=static")[0] == "static"   # set by hand
+    layout, line = resolved(enough - 1 / 1024, "kv_layout=static")     # set by hand: kept,
+    assert layout == "static" and line.endswith(                         # paged suggested
+        "; actor_rollout_ref.rollout.kv_layout=paged (or auto) admits the whole batch in blocks")
+    assert not resolved(enough - 1 / 1024, "attn_backend=flash")[1].endswith("in blocks")
     assert resolved(None, "kv_layout=paged")[0] == "paged"
 
 

@@ -164,6 +164,8 @@ def _bench_engine(model, prompts, args, device) -> dict:
     lengths = response_lengths(args.response_lengths, len(prompts), args.new_tokens)
     runs = []
     for _ in range(args.repeat):
+        if args.free_cache:       # as a trainer step (free_cache_engine): cache, graphs dropped
+            engine.free_cache()
         sync(device)
         t0 = time.perf_counter()
         results = engine.generate(prompts, params, max_tokens=lengths)
@@ -268,6 +270,9 @@ def parse_args(argv=None):
                     help="the fused decode attention under PDL does not prefetch the first "
                          "cached K/V tiles into L2 before its device wait")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--free-cache", action="store_true",
+                    help="free the cache before each timed run, as a trainer's step does "
+                         "(free_cache_engine): each run allocates it and captures its graphs")
     # the flags set a CompileMode (inductor); the autotune and prefill_cpp_wrapper variants
     # set the benchmark-only ones
     ap.add_argument("--compile", action="store_const", const=CompileMode.INDUCTOR,
@@ -286,7 +291,7 @@ def parse_args(argv=None):
                          "prefill_varlen / prefill_dense (--prefill-attention), "
                          "decode_launch_env (--decode-launch $DECODE_LAUNCH), kv_write_torch "
                          "(--kv-write torch), no_pdl (--no-pdl), no_prefetch (--no-prefetch), "
-                         "paged / static (--kv-layout); "
+                         "paged / static (--kv-layout), free_cache (--free-cache); "
                          "'+' combines them (triton+compile)")
     ap.add_argument("--profile", action="store_true",
                     help="kernel table of one more generate (prefill, decode)")
@@ -380,6 +385,7 @@ def main(argv=None) -> None:
              "decode_launch_env": {"decode_launch": os.environ.get("DECODE_LAUNCH", "")},
              "kv_write_torch": {"kv_write": "torch"}, "no_pdl": {"no_pdl": True},
              "no_prefetch": {"no_prefetch": True}, "paged": {"kv_layout": "paged"},
+             "free_cache": {"free_cache": True},
              "static": {"kv_layout": "static"},
              "block32": {"kv_layout": "paged", "block_size": 32},
              "block64": {"kv_layout": "paged", "block_size": 64}}

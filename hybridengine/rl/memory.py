@@ -319,14 +319,18 @@ def resolve_kv_layout(cfg, layout, actor_model: ModelConfig, critic_model: Model
         r.kv_layout = "paged"
 
 
-def _kv_line(cfg, plan: MemoryPlan, layout) -> str | None:
+def _kv_line(cfg, plan: MemoryPlan, layout, actor_model: ModelConfig) -> str | None:
     """The KV cache's line of the start report: the warning when static rows run the batch in
-    waves (kv_slots_short), the paged layout's size in tokens."""
+    waves (kv_slots_short; with kv_layout=static set where paged would take the whole batch, it
+    says so), the paged layout's size in tokens."""
     r = cfg.actor_rollout_ref.rollout
     if r.name != "builtin" or plan.inputs[1] is None:
         return None
     if r.kv_layout != "paged":
         warning = kv_slots_short(plan, replica_sequences(cfg, layout))
+        if warning and plan.kv_limit == "memory" and paged_unsupported(cfg, actor_model) is None:
+            warning += "; actor_rollout_ref.rollout.kv_layout=paged (or auto) admits the whole " \
+                "batch in blocks"
         return f"warning: {warning}" if warning else None
     L = plan.inputs[1].max_model_len
     rows = f"{plan.kv_slots} rows" if plan.kv_limit == "memory" else \
@@ -347,5 +351,5 @@ def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) 
              + (f" ({gib_text(plan.host)} per rank, {ranks_per_host()} rank(s) on this host"
                 + (f" of {gib_text(host)} allowed)" if host is not None else ")")
                 if plan.host else "")]
-    kv = _kv_line(cfg, plan, layout)
+    kv = _kv_line(cfg, plan, layout, actor_model)
     return lines + ([kv] if kv else [])
