@@ -299,14 +299,15 @@ def paged_unsupported(cfg, actor_model: ModelConfig) -> str | None:
 def resolve_kv_layout(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
                       device: torch.device) -> None:
     """rollout.kv_layout=auto of the loaded tree `cfg`, in place (after the offload flags):
-    static, a row of max_model_len tokens per sequence, the faster layout while a generation
-    replica's batch has a row each (bench/RESULTS.md sessions 18-22: 0.97x on 256 x (512 + 256),
-    equal in a GRPO step); paged where the device budget holds fewer rows than that batch (the
-    static rollout would run in waves, each as long as its longest response) and the paged
-    layout can run (paged_unsupported): its blocks follow the tokens actually held (1.01-1.05x)
-    and admit the whole batch, preempting the youngest when they run out. Without a device
-    budget (the CPU without trainer.device_memory_gb) or with the rows capped by max_num_seqs:
-    static."""
+    static, a row of max_model_len tokens per sequence, while a generation replica's batch has
+    a row each (bench/RESULTS.md: paged makes 0.97x static's tok/s on 256 x (512 + 256),
+    session 22, and equals it in a GRPO step, session 21); paged where the device budget holds
+    fewer rows than that batch and the paged layout can run (paged_unsupported): static would
+    hold the rest back until rows free, where paged's blocks follow the tokens actually held
+    (1.01-1.05x) and admit the whole batch, preempting the youngest if they run out (long
+    responses, 0.5B, half the rows: paged 1.23x static, session 30). Without a device budget
+    (the CPU without trainer.device_memory_gb) or with the rows capped by max_num_seqs (paged
+    is capped the same): static."""
     r = cfg.actor_rollout_ref.rollout
     if r.kv_layout != "auto":
         return
