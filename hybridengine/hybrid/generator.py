@@ -47,6 +47,13 @@ def max_prefill_tokens(max_model_len: int) -> int:
     return max(16384, max_model_len)
 
 
+def _engine_kv_layout(kv_layout: str) -> str:
+    """The engine's layout for the run's rollout.kv_layout: `auto` is resolved by preflight from
+    the memory plan (rl.memory.resolve_kv_layout); a generator built without it (no plan: tests,
+    scripts) keeps the static rows."""
+    return "static" if kv_layout == "auto" else kv_layout
+
+
 @dataclass(frozen=True)
 class SlotUse:
     """The built-in engine's KV-cache slots in one generation of one replica (Engine.stats):
@@ -158,7 +165,8 @@ class Generator:
                                    compile=compile_decode, compile_prefill=compile_prefill,
                                    attn_backend=c.attn_backend,
                                    prefill_attention=c.prefill_attention,
-                                   kv_layout=c.kv_layout, block_size=c.block_size)
+                                   kv_layout=_engine_kv_layout(c.kv_layout),
+                                   block_size=c.block_size)
             self.engine = Engine(model, config, device=dev, dtype=self.dtype)
         return self.engine
 
