@@ -623,7 +623,7 @@ def test_more_steps_than_the_data_gives_says_so_when_it_stops(tmp_path, capsys):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert "warning: stopped after step 2 of trainer.total_training_steps=3: the data gives 2 " \
-        "batches (8 prompts // data.train_batch_size=4 = 2 per epoch x trainer.total_epochs=1)" \
+        "batches (8 prompts // data.gen_batch_size=4 = 2 per epoch x trainer.total_epochs=1)" \
         in capsys.readouterr().out
     mfu = [v for r in rows for k, v in r.items() if k.startswith("perf/mfu")]
     assert mfu and all(0 < v <= 1 for v in mfu)

@@ -181,7 +181,7 @@ def test_sampler_resume_matches_uninterrupted(num_taken):
 
 
 def test_sampler_errors():
-    with pytest.raises(ValueError, match="make no batch of data.train_batch_size=8"):
+    with pytest.raises(ValueError, match="make no batch of data.gen_batch_size=8"):
         ResumableSampler(5, batch_size=8)
     sampler = ResumableSampler(8, batch_size=4, total_epochs=2)
     with pytest.raises(ValueError, match="outside 2 epochs of 2 batches"):
@@ -227,3 +227,29 @@ def test_gsm8k_tool_errors(tmp_path):
     (tmp_path / "test.jsonl").write_text('{"question": "q"}\n')
     with pytest.raises(SystemExit, match=r"test.jsonl:1: not a GSM8K .*KeyError"):
         tool.main(["--input_dir", str(tmp_path), "--local_dir", str(tmp_path / "out")])
+
+
+def test_dapo_rounds_take_gen_batch_size_prompts():
+    """data.gen_batch_size is the prompts a generation round takes (verl's train dataloader's
+    batch size), train_batch_size the groups a step trains on: DAPO's dynamic sampling
+    over-samples with gen_batch_size > train_batch_size. The sampler, the steps an epoch gives,
+    the memory plan's sequences per replica and the start header follow it."""
+    from types import SimpleNamespace
+    from hybridengine.config import load_config, validate_config
+    from hybridengine.rl.data import load_tokenizer
+    from hybridengine.rl.memory import replica_sequences
+    from hybridengine.rl.trainer import Trainer
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(["--config", str(root / "configs" / "tiny.yaml"), "--config",
+                       str(root / "configs" / "dapo.yaml"), "data.gen_batch_size=32",
+                       "reward_model.overlong_buffer.len=16",
+                       f"actor_rollout_ref.model.path={root / 'models' / 'stories260k'}",
+                       f"data.train_files={root / 'data' / 'stories_keywords' / 'train.jsonl'}",
+                       f"data.val_files={root / 'data' / 'stories_keywords' / 'val.jsonl'}"])
+    layout = validate_config(cfg, 2)
+    trainer = SimpleNamespace(cfg=cfg, tokenizer=load_tokenizer(cfg.actor_rollout_ref.model.path))
+    Trainer._build_data(trainer)
+    assert cfg.data.train_batch_size == 16 and trainer.sampler.batch_size == 32
+    assert len(next(iter(trainer.sampler))) == 32
+    assert trainer.sampler.num_batches_per_epoch == len(trainer.train_ds) // 32
+    assert replica_sequences(cfg, layout) == 32 * 8 // 2       # 2 generation replicas

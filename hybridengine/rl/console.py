@@ -187,7 +187,9 @@ class RunFacts:
             if critic is not None and cfg.critic.model.path != arr.model.path else None,
             layout=f"{trainer.world} rank{'s' if trainer.world > 1 else ''}: " + ", ".join(roles),
             algorithm=(f"{cfg.algorithm.adv_estimator}, {d.train_batch_size} prompts x "
-                       f"{arr.rollout.n} response{'s' * (arr.rollout.n > 1)} per step{kl}"),
+                       f"{arr.rollout.n} response{'s' * (arr.rollout.n > 1)} per step"
+                       + (f" ({d.gen_batch_size} prompts a generation round)"
+                          if d.gen_batch_size != d.train_batch_size else "") + kl),
             data=(f"{len(trainer.train_ds)} train prompts{val} (prompt <= {d.max_prompt_length}, "
                   f"response <= {d.max_response_length} tokens)"),
             steps=(f"{trainer.total_steps} ({trainer.sampler.num_batches_per_epoch} per epoch)"

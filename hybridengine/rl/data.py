@@ -289,8 +289,8 @@ class ResumableSampler:
                              f"{total_epochs}")
         num_batches = num_samples // batch_size if drop_last else -(-num_samples // batch_size)
         if num_batches == 0:
-            raise ValueError(f"{num_samples} prompts make no batch of data.train_batch_size="
-                             f"{batch_size}")
+            raise ValueError(f"{num_samples} prompts make no batch of data.gen_batch_size="
+                             f"{batch_size} (data.train_batch_size unless set)")
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.total_epochs = total_epochs

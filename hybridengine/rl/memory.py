@@ -145,8 +145,9 @@ def _run_roles(cfg) -> tuple[str, ...]:
 
 
 def replica_sequences(cfg, layout) -> int:
-    """Sequences one generation replica gets per step (the batch over the rollout's DP)."""
-    return -(-cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // layout.rollout.dp)
+    """Sequences one generation replica gets per round (data.gen_batch_size prompts x n over the
+    rollout's DP)."""
+    return -(-cfg.data.gen_batch_size * cfg.actor_rollout_ref.rollout.n // layout.rollout.dp)
 
 
 def ranks_per_host() -> int:

@@ -124,9 +124,11 @@ class RolloutCollector:
         return scores[torch.tensor(batch.group, dtype=torch.long)]
 
     def collect(self, indices: list[int], next_batch, step: int, dataset):
-        """Generate and score train_batch_size prompts' responses. With DAPO's filter_groups,
-        keep generating from the next batches until train_batch_size informative groups are
-        kept (or max_num_gen_batches rounds ran). Returns (Batch | None, metrics)."""
+        """Generate and score the responses of a round's prompts (`indices`: data.gen_batch_size
+        of them, train_batch_size unless DAPO over-samples). With DAPO's filter_groups, keep
+        generating from the next rounds until train_batch_size informative groups are kept (or
+        max_num_gen_batches rounds ran); the first train_batch_size kept groups train. Returns
+        (Batch | None, metrics)."""
         rk, fg = self.cfg.actor_rollout_ref.rollout, self.cfg.algorithm.filter_groups
         kept, num_groups, rounds, metrics, t_reward = [], 0, 0, {}, 0.0
         need, t_gen_max, waves = self.cfg.data.train_batch_size, 0.0, None

@@ -108,7 +108,7 @@ class Trainer:
         self.train_ds = PromptDataset(load_rows(d.train_files, d.prompt_key), **kw)
         self.val_ds = PromptDataset(load_rows(d.val_files, d.prompt_key), **kw) \
             if d.val_files else None
-        self.sampler = ResumableSampler(len(self.train_ds), d.train_batch_size,
+        self.sampler = ResumableSampler(len(self.train_ds), d.gen_batch_size,  # a round, as verl
                                         self.cfg.trainer.total_epochs, d.seed, d.shuffle)
 
     def _build_roles(self):
@@ -388,7 +388,7 @@ class Trainer:
         if self.rank == 0:
             print(f"warning: stopped after step {step} of trainer.total_training_steps="
                   f"{self.total_steps}: the data gives {len(s)} batches ({s.num_samples} prompts "
-                  f"// data.train_batch_size={s.batch_size} = {s.num_batches_per_epoch} per epoch "
+                  f"// data.gen_batch_size={s.batch_size} = {s.num_batches_per_epoch} per epoch "
                   f"x trainer.total_epochs={s.total_epochs})", flush=True)
 
 
