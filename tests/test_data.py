@@ -102,6 +102,23 @@ def test_load_rows_errors(tmp_path):
         load_rows(tmp_path / "x.csv")
 
 
+def test_reward_fn_key_names_the_column_that_selects_the_reward(tmp_path, stories_tok):
+    """data.reward_fn_key (verl's): the column whose string selects a row's rule reward (the
+    items' data_source, which the scoring and the validation metrics read); data_source by
+    default. A row without that column: one line naming the key."""
+    rows = [{**_row("say cat", ["cat"]), "ability": "keyword"} for _ in range(2)]
+    for row in rows:
+        row["data_source"] = "openai/gsm8k"
+    path = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    by_ability = PromptDataset(load_rows(path, reward_fn_key="ability"), stories_tok,
+                               max_prompt_length=64, reward_fn_key="ability")
+    assert [by_ability[i]["data_source"] for i in range(2)] == ["keyword", "keyword"]
+    default = PromptDataset(load_rows(path), stories_tok, max_prompt_length=64)
+    assert default[0]["data_source"] == "openai/gsm8k"
+    with pytest.raises(ValueError, match=r"rows.jsonl row 0: missing 'task' \(data.reward_fn_key\)"):
+        load_rows(path, reward_fn_key="task")
+
+
 # ----------------------------------------------------------------------------- dataset
 
 def test_chat_template_prompt(qwen_tok):
@@ -253,3 +270,6 @@ def test_dapo_rounds_take_gen_batch_size_prompts():
     assert len(next(iter(trainer.sampler))) == 32
     assert trainer.sampler.num_batches_per_epoch == len(trainer.train_ds) // 32
     assert replica_sequences(cfg, layout) == 32 * 8 // 2       # 2 generation replicas
+    cfg.data.reward_fn_key = "task"     # the trainer reads the reward's column by that key
+    with pytest.raises(ValueError, match=r"row 0: missing 'task' \(data.reward_fn_key\)"):
+        Trainer._build_data(trainer)

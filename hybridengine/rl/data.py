@@ -118,7 +118,8 @@ def _read_file(file: Path, prompt_key: str) -> list[dict[str, Any]]:
     raise ValueError(f"{file}: unsupported prompt file type {file.suffix!r} (.parquet or .jsonl)")
 
 
-def _validate_row(row: dict[str, Any], prompt_key: str, where: str) -> None:
+def _validate_row(row: dict[str, Any], prompt_key: str, where: str,
+                  reward_fn_key: str = "data_source") -> None:
     if prompt_key not in row:
         raise ValueError(f"{where}: missing field {prompt_key!r}")
     prompt = row[prompt_key]
@@ -140,13 +141,15 @@ def _validate_row(row: dict[str, Any], prompt_key: str, where: str) -> None:
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError(f"{where}: missing reward_model.ground_truth")
-    if not isinstance(row.get("data_source"), str):
-        raise ValueError(f"{where}: missing 'data_source'")
+    if not isinstance(row.get(reward_fn_key), str):
+        key = "" if reward_fn_key == "data_source" else " (data.reward_fn_key)"
+        raise ValueError(f"{where}: missing {reward_fn_key!r}{key}")
 
 
-def load_rows(paths: str | Path | Sequence[str | Path],
-              prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """Rows of one or more .parquet / .jsonl files, concatenated in order and validated."""
+def load_rows(paths: str | Path | Sequence[str | Path], prompt_key: str = "prompt",
+              reward_fn_key: str = "data_source") -> list[dict[str, Any]]:
+    """Rows of one or more .parquet / .jsonl files, concatenated in order and validated (each
+    with a string in its reward_fn_key column: what selects its rule reward)."""
     files = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not files:
         raise ValueError("no prompt files given")
@@ -156,7 +159,7 @@ def load_rows(paths: str | Path | Sequence[str | Path],
         if not rows:
             raise ValueError(f"{file} is empty: no rows")
         for i, row in enumerate(rows):
-            _validate_row(row, prompt_key, f"{file} row {i}")
+            _validate_row(row, prompt_key, f"{file} row {i}", reward_fn_key)
         all_rows.extend(rows)
     return all_rows
 
@@ -199,7 +202,8 @@ def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
 
 class PromptDataset:
     """Tokenized prompts; item i is ``{"prompt_ids", "data_source", "ground_truth",
-    "extra_info", "index", "messages"}``.
+    "extra_info", "index", "messages"}``, its data_source the row's reward_fn_key column (verl's
+    data.reward_fn_key: what selects the rule reward; the data_source column by default).
 
     apply_chat_template: None uses the tokenizer's template when it has one; without a template
     the message contents are joined by newlines and BOS (if any) is prepended.
@@ -207,7 +211,8 @@ class PromptDataset:
 
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, max_prompt_length: int,
                  truncation: str = "error", filter_overlong_prompts: bool = False,
-                 prompt_key: str = "prompt", apply_chat_template: bool | None = None):
+                 prompt_key: str = "prompt", apply_chat_template: bool | None = None,
+                 reward_fn_key: str = "data_source"):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, "
                              f"got {truncation!r}")
@@ -219,7 +224,7 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
-        self.prompt_key = prompt_key
+        self.prompt_key, self.reward_fn_key = prompt_key, reward_fn_key
         self.use_chat_template = (has_template if apply_chat_template is None
                                   else apply_chat_template)
         self.rows: list[dict[str, Any]] = []
@@ -265,7 +270,7 @@ class PromptDataset:
         extra_info = row.get("extra_info") or {}
         return {
             "prompt_ids": self.prompt_ids[i],
-            "data_source": row["data_source"],
+            "data_source": row[self.reward_fn_key],
             "ground_truth": row["reward_model"]["ground_truth"],
             "extra_info": extra_info,
             "index": extra_info.get("index", i),

@@ -104,9 +104,9 @@ class Trainer:
         d = self.cfg.data
         kw = dict(tokenizer=self.tokenizer, max_prompt_length=d.max_prompt_length,
                   truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                  prompt_key=d.prompt_key)
-        self.train_ds = PromptDataset(load_rows(d.train_files, d.prompt_key), **kw)
-        self.val_ds = PromptDataset(load_rows(d.val_files, d.prompt_key), **kw) \
+                  prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key)
+        self.train_ds = PromptDataset(load_rows(d.train_files, d.prompt_key, d.reward_fn_key), **kw)
+        self.val_ds = PromptDataset(load_rows(d.val_files, d.prompt_key, d.reward_fn_key), **kw) \
             if d.val_files else None
         self.sampler = ResumableSampler(len(self.train_ds), d.gen_batch_size,  # a round, as verl
                                         self.cfg.trainer.total_epochs, d.seed, d.shuffle)
