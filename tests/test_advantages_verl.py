@@ -368,6 +368,30 @@ def test_remax_baselines_follow_dynamic_sampling(tmp_path):
     assert len(collector.generator.calls) == 4  # two rounds, each sampled + greedy
 
 
+def test_dynamic_sampling_short_of_groups_says_so(tmp_path, capsys):
+    """max_num_gen_batches rounds without train_batch_size informative groups: verl's DAPO
+    trainer raises; here the step trains on the groups kept, with one warning line."""
+    collector, dataset = _collector(tmp_path, "data.train_batch_size=2", "data.gen_batch_size=2",
+                                    "algorithm.adv_estimator=grpo",
+                                    "algorithm.filter_groups.enable=true",
+                                    "algorithm.filter_groups.metric=seq_reward",
+                                    "algorithm.filter_groups.max_num_gen_batches=1")
+    batch, metrics = collector.collect([0, 1], lambda: [2, 3], step=5, dataset=dataset)
+    assert sorted({p[0] for p in batch.prompt_ids}) == [7] and metrics["train/num_gen_batches"] == 1
+    assert capsys.readouterr().out.strip() == (
+        "warning: step 5: dynamic sampling kept 1 of data.train_batch_size=2 groups in "
+        "max_num_gen_batches=1 rounds; the step trains on those (verl stops with an error: raise "
+        "algorithm.filter_groups.max_num_gen_batches, 0 for no limit)")
+    collector, dataset = _collector(tmp_path, "data.train_batch_size=2", "data.gen_batch_size=2",
+                                    "algorithm.adv_estimator=grpo",
+                                    "algorithm.filter_groups.enable=true",
+                                    "algorithm.filter_groups.metric=seq_reward")
+    collector.collect([0, 1], lambda: None, step=6, dataset=dataset)
+    assert "groups before the data ran out;" in capsys.readouterr().out
+    collector.collect([1, 3], lambda: None, step=7, dataset=dataset)      # 7 and 13: both kept
+    assert capsys.readouterr().out == ""
+
+
 def test_other_estimators_skip_the_greedy_rollout(tmp_path):
     collector, dataset = _collector(tmp_path, "data.train_batch_size=2", "algorithm.adv_estimator=grpo")
     batch, metrics = collector.collect([0, 1], lambda: None, step=1, dataset=dataset)

@@ -170,6 +170,14 @@ class RolloutCollector:
         self._last_waves = waves or self._last_waves
         if t_gen_max:
             metrics["timing_s/gen_max"] = t_gen_max
+        if fg.enable and num_groups < need and self.rank == 0:
+            why = f"in max_num_gen_batches={fg.max_num_gen_batches} rounds" \
+                if indices is not None else "before the data ran out"
+            # verl's DAPO trainer raises here; a long run trains on what it kept, and says so
+            print(f"warning: step {step}: dynamic sampling kept {num_groups} of "
+                  f"data.train_batch_size={need} groups {why}; the step trains on those (verl "
+                  f"stops with an error: raise algorithm.filter_groups.max_num_gen_batches, 0 "
+                  f"for no limit)", flush=True)
         if not kept:
             return None, metrics
         batch = Batch.concat(kept)
