@@ -159,12 +159,9 @@ class Actor(Role):
         """One PPO update. old_from_update: the first mini-batch (first_mini_batch's rows) takes
         pi_old from its own forward, detached (the ratio is 1, as verl's dp_actor does
         on-policy, where that mini-batch is the whole batch), and fills those rows of
-        batch.tensors["old_logprob"], which the caller's forward left unscored (the metrics that
-        compare pi_old with the rollout's log-probs read them after the update)."""
+        batch.tensors["old_logprob"], which the caller left unscored, zeros (Trainer._score; the
+        metrics that compare pi_old with the rollout's log-probs read them after the update)."""
         a = self.cfg
-        if old_from_update:
-            batch.tensors.setdefault("old_logprob",
-                                     torch.zeros(len(batch), batch.max_response_length))
         fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ()) \
             + (("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
         micro = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz)

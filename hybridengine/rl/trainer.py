@@ -236,26 +236,26 @@ class Trainer:
 
     def _old_logprob_from_update(self) -> bool:
         """Nothing before the update reads pi_old (no KL in the reward, no rollout importance
-        weights): the actor update's first mini-batch takes its rows' pi_old from its own
-        forward (Actor.first_mini_batch: the weights have not moved yet), so the old-log-prob
-        forward skips them; on-policy (one mini-batch, one epoch) it skips everything, as
-        verl's dp_actor does (its own log-probs, detached, as pi_old: ratio 1)."""
+        weights): the update's first mini-batch (Actor.first_mini_batch) takes its rows' pi_old from
+        its own forward, the weights not yet moved, and the old-log-prob forward skips them;
+        on-policy (one mini-batch, one epoch) all of them, as verl's dp_actor does (ratio 1)."""
         return not self.cfg.algorithm.use_kl_in_reward and \
             self.rollout_correction.rollout_is is None
 
     def _score(self, batch: Batch, timings, sync, own_rows: Sequence[int] = ()) -> list[int]:
-        """The forward-only passes; the old-log-prob one over the rows not in own_rows (those
-        the actor update's own forward scores). Returns the rows it scored."""
+        """The forward-only passes; the old-log-prob one over the rows not in own_rows (zeros
+        here: the actor update's own forward fills them). Returns the rows it scored."""
         phase, own = self._phase, set(own_rows)
         rest = [i for i in range(len(batch)) if i not in own]
+        if own:
+            batch.tensors["old_logprob"] = torch.zeros(len(batch), batch.max_response_length)
         if rest:
             with phase("old_log_prob", timings, sync):
-                whole = len(rest) == len(batch)
-                old = self.actor.score(batch if whole else batch.select(rest), "logprob")
-                if not whole:        # own_rows stay 0 here: the update fills them
-                    old, part = old.new_zeros(len(batch), batch.max_response_length), old
-                    old[torch.tensor(rest, dtype=torch.long)] = part
-                batch.tensors["old_logprob"] = old
+                old = self.actor.score(batch.select(rest) if own else batch, "logprob")
+                if own:
+                    batch.tensors["old_logprob"][torch.tensor(rest, dtype=torch.long)] = old
+                else:
+                    batch.tensors["old_logprob"] = old
         if self.ref is not None:
             with phase("ref", timings, sync):
                 batch.tensors["ref_logprob"] = self.ref.score(batch, "logprob")
