@@ -68,9 +68,8 @@ from hybridengine.kernels.logprob import cuda_extension  # noqa: E402
 from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
-from hybridengine.rl.memory import (device_budget, memory_errors, memory_report,  # noqa: E402
-                                    plan_run_memory, resolve_auto_offload,
-                                    resolve_kv_layout)
+from hybridengine.rl.memory import (device_budget, memory_report, plan_run_memory,  # noqa: E402
+                                    resolve_and_check)
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
 from hybridengine.train.compile_layers import layer_group_size  # noqa: E402
@@ -308,9 +307,7 @@ def plan_for(args) -> dict:
         model = read_model_config(str(model_dir))
         critic = model if args.algo == "ppo" else None
         cuda = torch.device("cuda")
-        chosen = resolve_auto_offload(cfg, layout, model, critic, cuda)
-        resolve_kv_layout(cfg, layout, model, critic, cuda)
-        errors = memory_errors(cfg, layout, model, critic, cuda)
+        chosen, errors = resolve_and_check(cfg, layout, model, critic, cuda)
         lines = memory_report(cfg, layout, model, critic, cuda)
         plan = plan_run_memory(cfg, layout, model, critic, cuda, device_budget(cfg, cuda))
     finally:

@@ -31,6 +31,8 @@ from hybridengine.rl.rewards import extract_gsm8k_answer
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+# verl's default data.reward_fn_key: the column whose string selects a row's rule reward
+REWARD_FN_KEY = "data_source"
 
 
 def to_verl_row(question: str, answer: str, split: str, index: int) -> dict[str, Any]:
@@ -119,7 +121,7 @@ def _read_file(file: Path, prompt_key: str) -> list[dict[str, Any]]:
 
 
 def _validate_row(row: dict[str, Any], prompt_key: str, where: str,
-                  reward_fn_key: str = "data_source") -> None:
+                  reward_fn_key: str = REWARD_FN_KEY) -> None:
     if prompt_key not in row:
         raise ValueError(f"{where}: missing field {prompt_key!r}")
     prompt = row[prompt_key]
@@ -142,12 +144,12 @@ def _validate_row(row: dict[str, Any], prompt_key: str, where: str,
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise ValueError(f"{where}: missing reward_model.ground_truth")
     if not isinstance(row.get(reward_fn_key), str):
-        key = "" if reward_fn_key == "data_source" else " (data.reward_fn_key)"
+        key = "" if reward_fn_key == REWARD_FN_KEY else " (data.reward_fn_key)"
         raise ValueError(f"{where}: missing {reward_fn_key!r}{key}")
 
 
 def load_rows(paths: str | Path | Sequence[str | Path], prompt_key: str = "prompt",
-              reward_fn_key: str = "data_source") -> list[dict[str, Any]]:
+              reward_fn_key: str = REWARD_FN_KEY) -> list[dict[str, Any]]:
     """Rows of one or more .parquet / .jsonl files, concatenated in order and validated (each
     with a string in its reward_fn_key column: what selects its rule reward)."""
     files = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -212,7 +214,7 @@ class PromptDataset:
     def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, max_prompt_length: int,
                  truncation: str = "error", filter_overlong_prompts: bool = False,
                  prompt_key: str = "prompt", apply_chat_template: bool | None = None,
-                 reward_fn_key: str = "data_source"):
+                 reward_fn_key: str = REWARD_FN_KEY):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, "
                              f"got {truncation!r}")

@@ -321,6 +321,16 @@ def resolve_kv_layout(cfg, layout, actor_model: ModelConfig, critic_model: Model
         r.kv_layout = "paged"
 
 
+def resolve_and_check(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
+                      device: torch.device) -> tuple[list[str], list[str]]:
+    """The memory plan's part of preflight on the loaded tree `cfg`: the `auto` offload flags,
+    then rollout.kv_layout=auto, resolved in place; returns (the offload flags set, as
+    resolve_auto_offload's; memory_errors' lines)."""
+    chosen = resolve_auto_offload(cfg, layout, actor_model, critic_model, device)
+    resolve_kv_layout(cfg, layout, actor_model, critic_model, device)
+    return chosen, memory_errors(cfg, layout, actor_model, critic_model, device)
+
+
 def _kv_line(cfg, plan: MemoryPlan, layout, actor_model: ModelConfig) -> str | None:
     """The KV cache's line of the start report: the warning when static rows run the batch in
     waves (kv_slots_short; with kv_layout=static set where paged would take the whole batch, it

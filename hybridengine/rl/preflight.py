@@ -24,8 +24,7 @@ from hybridengine.config import ConfigError, uses_critic, validate_config
 from hybridengine.config.run import RunConfig
 from hybridengine.models.hf import read_model_config
 from hybridengine.parallel.layout import RunLayout
-from hybridengine.rl.memory import (memory_errors, paged_unsupported, resolve_auto_offload,
-                                    resolve_kv_layout)
+from hybridengine.rl.memory import paged_unsupported, resolve_and_check
 from hybridengine.rl.tracking import check_backends
 
 
@@ -79,9 +78,7 @@ def preflight(cfg, world_size: int) -> tuple[RunLayout | None, list[str]]:
     if not errors:                  # the memory plan needs a sound config and the model shapes
         actor = models["actor_rollout_ref.model.path"]
         critic, device = models.get("critic.model.path", actor), run_device(cfg)
-        resolve_auto_offload(cfg, layout, actor, critic, device)
-        resolve_kv_layout(cfg, layout, actor, critic, device)
-        errors += memory_errors(cfg, layout, actor, critic, device)
+        errors += resolve_and_check(cfg, layout, actor, critic, device)[1]
     return layout, errors
 
 
