@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: realtext paged paged_ppo freecache ppo_ab group_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: realtext paged paged_ppo freecache ppo_ab graph_ab group_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -158,6 +158,19 @@ for p in $parts; do case $p in
                   ONLY="${AB_RUNS:-ppo_seed}" bash "$0" ppo ;;
              b) TAG=_layer$((i + 1)) PPO_PROFILE= ONLY="${AB_RUNS:-ppo_seed}" bash "$0" ppo ;;
              *) echo "GROUP_ORDER: a (grouped) or b (per layer), not '${order:i:1}'" | tee -a "$RES/session.log" ;;
+           esac; done ;;
+  graph_ab) # issue 27: the training micro-batches' CUDA graphs (actor and critic
+           # use_cuda_graph=true, train/cuda_graphs.py) against eager updates, the same tree, in
+           # GRAPH_ORDER (a: graphs, b: eager; default abba; runs <run>_graphs<i> / <run>_eager<i>),
+           # PPO_STEPS timed steps, no profile; first the graphs' GPU test (GRAPH_TEST=0 skips it)
+           [ "${GRAPH_TEST:-1}" = 1 ] && T=${GRAPH_TEST_T:-240} TESTS="tests/test_cuda_graphs.py" bash "$0" tests
+           order=${GRAPH_ORDER:-abba}
+           for (( i = 0; i < ${#order}; i++ )); do case ${order:i:1} in
+             a) TAG=_graphs$((i + 1)) PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
+                  PPO_ARGS="--set actor_rollout_ref.actor.use_cuda_graph=true ${PPO_ARGS:-}" bash "$0" ppo ;;
+             b) TAG=_eager$((i + 1)) PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
+                  bash "$0" ppo ;;
+             *) echo "GRAPH_ORDER: a (graphs) or b (eager), not '${order:i:1}'" | tee -a "$RES/session.log" ;;
            esac; done ;;
   ppo_ab)  # issue 27's before/after in one call: the `ppo` runs named in AB_RUNS (default
            # ppo_seed) from .before/ (an earlier commit's code: BEFORE=REV bash

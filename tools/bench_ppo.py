@@ -426,6 +426,7 @@ def run(args) -> dict:
             "train_compile": cfg.actor_rollout_ref.actor.use_torch_compile,
             "train_layer_group": layer_group_size(),
             "cuda_graphs": not cfg.actor_rollout_ref.rollout.enforce_eager,
+            "training_graphs": training_graphs(trainer),
             "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
             "response_lengths": args.response_lengths,
             "kv_layout": trainer.cfg.actor_rollout_ref.rollout.kv_layout,    # auto resolved
@@ -437,6 +438,16 @@ def run(args) -> dict:
             **memory_check(trainer, peak_gb, phase_gb),
             **({"profile": profile} if profile is not None else {}),
             **({"host_profile": host} if host is not None else {})}
+
+
+def training_graphs(trainer) -> dict:
+    """Per trained role: the training micro-batch shapes captured in CUDA graphs and the calls
+    that ran eagerly past the cap (train.cuda_graphs), or null where the role runs eagerly."""
+    roles = {"actor": trainer.actor, "critic": trainer.critic}
+    return {name: None if role is None or role.engine.graphs is None else
+            {"captures": role.engine.graphs.captures,
+             "eager_calls": role.engine.graphs.eager_calls}
+            for name, role in roles.items()}
 
 
 def main():

@@ -106,6 +106,7 @@ class ActorConfig:
     ppo_epochs: int
     shuffle: bool
     use_torch_compile: bool
+    use_cuda_graph: bool
     clip_ratio: float
     clip_ratio_low: float
     clip_ratio_high: float
@@ -195,6 +196,7 @@ class CriticConfig:
     grad_clip: float
     cliprange_value: float
     use_torch_compile: bool
+    use_cuda_graph: bool
     ulysses_sequence_parallel_size: int
     megatron: MegatronSection
 

@@ -127,7 +127,7 @@ class Trainer:
             temperature=temperature,
             recompute=bool(arr.model.enable_gradient_checkpointing),
             optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps),
-            lora=lora,
+            lora=lora, cuda_graphs=bool(arr.actor.use_cuda_graph),
             router_losses=(arr.actor.router_aux_loss_coef, arr.actor.router_z_loss_coef))
         self.actor = Actor(actor_engine, arr)
         self.ref = None
@@ -149,7 +149,7 @@ class Trainer:
                 dtype=param_dtype(c.megatron.param_dtype, self.device), device=self.device,
                 sequence_parallel=lay.critic.sequence_parallel,
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps),
-                lora=_lora_config(c.model))
+                lora=_lora_config(c.model), cuda_graphs=bool(c.use_cuda_graph))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
         offload = {"actor": (actor_engine, offload_parts(a_meg, True))}
         if self.ref is not None and not self.ref.base_of_actor:

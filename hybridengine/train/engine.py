@@ -20,6 +20,7 @@ micro-batch's share of the batch loss (the DP reduction sums gradients).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from hybridengine.models.lora import (LoRAConfig, add_lora, is_lora_replicated,
                                       load_peft_adapter, save_peft_adapter)
 from hybridengine.train.compile_layers import compile_decoder_layers
 from hybridengine.train.context_split import CPView, split_for_cp
+from hybridengine.train.cuda_graphs import BodyGraphs, unsupported as graphs_unsupported
 from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
@@ -93,7 +95,7 @@ class TrainEngine:
                  optim: OptimConfig | None = None, temperature: float = 1.0,
                  compile_layers: bool = False, recompute: bool = False,
                  lora: LoRAConfig | None = None,
-                 router_losses: tuple[float, float] = (0.0, 0.0)):
+                 router_losses: tuple[float, float] = (0.0, 0.0), cuda_graphs: bool = False):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
@@ -129,6 +131,14 @@ class TrainEngine:
             self.optimizer = self._build_optimizer(optim)
         else:
             self.model.requires_grad_(False)
+        # train.cuda_graphs: the training micro-batches' decoder body replayed from graphs
+        self.graphs = None
+        if cuda_graphs and self.optimizer is not None:
+            why = graphs_unsupported(self.model, mesh, dtype, self.device)
+            if why is None:
+                self.graphs = BodyGraphs(self.model, self.device)
+            elif mesh.rank == 0:
+                warnings.warn(f"training CUDA graphs off for this engine: {why}")
         self._parking: dict[str, HostParking] = {}
 
     # --- setup --------------------------------------------------------------------------------
@@ -219,7 +229,8 @@ class TrainEngine:
             hidden = self.model(view.packed, hidden_in, attn_ctx=view.attention)
             finish = view.gather
         else:
-            hidden = self.model(mb.packed, hidden_in)
+            graphed = self.graphs is not None and torch.is_grad_enabled() and self.model.training
+            hidden = self.graphs(mb.packed) if graphed else self.model(mb.packed, hidden_in)
             finish = mb.packed.strip
         if not self.mesh.is_last_stage:
             return hidden
@@ -250,6 +261,8 @@ class TrainEngine:
         self.require(*PARTS)
         opt = self.optimizer
         opt.zero_grad()
+        if self.graphs is not None:
+            self.graphs.begin_step([b.grad for b in opt.buckets])
         metrics: list[dict] = []
         self.model.train()
         views = self._cp_views(microbatches)
