@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 _carried: dict[int, int] = {}      # device -> the process's peak before the last reset
+_carried_reserved: dict[int, int] = {}     # the same of the caching allocator's reserved bytes
 _window: dict[int, int] = {}       # device -> the open window's peak before the last reset
 
 
@@ -29,6 +30,7 @@ def reset_peak(device=None) -> None:
     erased = torch.cuda.max_memory_allocated(i)
     _carried[i] = max(_carried.get(i, 0), erased)
     _window[i] = max(_window.get(i, 0), erased)
+    _carried_reserved[i] = max(_carried_reserved.get(i, 0), torch.cuda.max_memory_reserved(i))
     torch.cuda.reset_peak_memory_stats(i)
 
 
@@ -42,6 +44,14 @@ def max_allocated(device=None) -> int:
     """Bytes: the most allocated on the device at any time in this process."""
     i = _index(device)
     return max(_carried.get(i, 0), torch.cuda.max_memory_allocated(i))
+
+
+def max_reserved(device=None) -> int:
+    """Bytes: the most the caching allocator held on the device at any time in this process
+    (allocated, cached free blocks, and CUDA graphs' private pools, which replays use without
+    allocating: train.cuda_graphs)."""
+    i = _index(device)
+    return max(_carried_reserved.get(i, 0), torch.cuda.max_memory_reserved(i))
 
 
 def window_peak(device=None) -> int:

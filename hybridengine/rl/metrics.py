@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from hybridengine.device_memory import max_allocated
+from hybridengine.device_memory import max_allocated, max_reserved
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.flops import decoder_flops
 
@@ -111,6 +111,7 @@ def perf_metrics(batch: Batch, timings: dict[str, float], flops: dict[str, float
     out.update({key: rate / peak for key, rate in rates.items()})
     if device.type == "cuda":
         out["perf/max_memory_allocated_gb"] = max_allocated() / 2**30
+        out["perf/max_memory_reserved_gb"] = max_reserved() / 2**30
     return out
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,8 @@ from hybridengine.models.attention import PackedInput
 
 # captures per engine before new shapes run eagerly (a run meets a handful: bench/RESULTS.md)
 MAX_GRAPHS = 32
-_POOLS: dict[int, object] = {}
+# device -> the live graphs: a new capture joins their pool (a pool handle outlives no graph)
+_LIVE: dict[int, weakref.WeakSet] = {}
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,13 @@ def fill_static(ids: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, packed: 
     torch.clamp(steps[: tail.shape[0]] * bucket.max_seqlen + t, max=bucket.tokens, out=tail)
 
 
-def _shared_pool(device: torch.device):
+def _shared_pool(device: torch.device, graph: torch.cuda.CUDAGraph):
+    """The pool of the device's live graphs (a new one if none is alive); `graph` joins them."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
+    live = _LIVE.setdefault(index, weakref.WeakSet())
+    pool = next(iter(live)).pool() if live else torch.cuda.graph_pool_handle()
+    live.add(graph)
+    return pool
 
 
 def unsupported(model, mesh, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -189,12 +193,16 @@ class BodyGraphs:
                 torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
             del out
         torch.cuda.current_stream(self.device).wait_stream(side)
-        pool = _shared_pool(self.device)
+        pool = _shared_pool(self.device, c.fwd)
         with torch.cuda.graph(c.fwd, pool=pool):
-            c.out = self._body(c)
-        c.grad_out = torch.zeros_like(c.out)
+            out = self._body(c)
+        c.grad_out = torch.zeros_like(out)
         with torch.cuda.graph(c.bwd, pool=pool):
-            c.out.backward(c.grad_out)
+            out.backward(c.grad_out)
+        # the static output without its autograd graph: kept, that graph would keep the
+        # parameters' AccumulateGrad nodes of the capture stream alive, and a tied embedding's
+        # eager head would then accumulate through them across streams
+        c.out = out.detach()
         self.captured[bucket] = c
         self.captures += 1
         return c
