@@ -134,7 +134,7 @@ class _Replay(torch.autograd.Function):
 class BodyGraphs:
     """The graphed decoder body of one training engine: `graphs(packed)` is `model(packed)`
     (the final-normed hidden states [T, H]) for a training micro-batch, replayed from its
-    bucket's graphs, captured at its first micro-batch."""
+    bucket's graphs, captured by begin_step at the first train_step that has the bucket."""
 
     def __init__(self, model, device: torch.device, max_graphs: int = MAX_GRAPHS):
         self.model, self.device, self.max_graphs = model, device, max_graphs
@@ -144,28 +144,37 @@ class BodyGraphs:
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self._addresses: tuple | None = None
 
-    def begin_step(self, grad_buffers) -> None:
-        """Before a train_step: drop graphs whose weights or gradient buffers moved."""
+    def begin_step(self, grad_buffers, packs: list[PackedInput]) -> None:
+        """Before a train_step on micro-batches `packs`: drop the graphs whose weights or gradient
+        buffers moved, then capture the buckets of `packs` not captured yet. Here, before any
+        forward of the step: a capture must find no eager autograd graph alive that holds a
+        parameter's AccumulateGrad node (a tied embedding's, made by the eager head on the
+        default stream): the captured backward would then reach it across streams, which a
+        capture forbids (cudaErrorStreamCaptureImplicit)."""
         addresses = tuple(p.data_ptr() for p in self.model.parameters()) + \
             tuple(g.data_ptr() for g in grad_buffers)
         if addresses != self._addresses:
             self.captured.clear()
             self._addresses = addresses
+        for packed in packs:
+            bucket = self._bucket(packed)
+            if bucket not in self.captured and len(self.captured) < self.max_graphs:
+                self._capture(bucket, packed)
+
+    @staticmethod
+    def _bucket(packed: PackedInput) -> Bucket:
+        return bucket_for(packed.num_tokens, packed.cu_seqlens.shape[0] - 1, packed.max_seqlen)
 
     def __call__(self, packed: PackedInput) -> torch.Tensor:
-        n = packed.cu_seqlens.shape[0] - 1
-        bucket = bucket_for(packed.num_tokens, n, packed.max_seqlen)
+        bucket = self._bucket(packed)
         c = self.captured.get(bucket)
-        if c is None:
-            if len(self.captured) >= self.max_graphs:
-                if not self.eager_calls:
-                    warnings.warn(f"training CUDA graphs: {self.max_graphs} shapes captured; "
-                                  f"new shapes run eagerly")
-                self.eager_calls += 1
-                return self.model(packed)
-            c = self._capture(bucket, packed)
-        else:
-            fill_static(c.ids, c.pos, c.cu, packed, bucket, self._step_ids(bucket))
+        if c is None:           # past the cap (begin_step captured every other bucket)
+            if not self.eager_calls:
+                warnings.warn(f"training CUDA graphs: {self.max_graphs} shapes captured; new "
+                              f"shapes run eagerly")
+            self.eager_calls += 1
+            return self.model(packed)
+        fill_static(c.ids, c.pos, c.cu, packed, bucket, self._step_ids(bucket))
         return _Replay.apply(self._anchor, c)[: packed.num_tokens]
 
     def _step_ids(self, bucket: Bucket) -> torch.Tensor:
@@ -177,7 +186,7 @@ class BodyGraphs:
     def _body(self, c: _Captured) -> torch.Tensor:
         return self.model(PackedInput(c.ids, c.pos, c.cu, c.bucket.max_seqlen))
 
-    def _capture(self, bucket: Bucket, packed: PackedInput) -> _Captured:
+    def _capture(self, bucket: Bucket, packed: PackedInput) -> None:
         """Warm the body up on this micro-batch (lazy initialisation, compilation for the new
         shape: nothing of it may happen inside a capture; torch.autograd.grad, so no gradient
         reaches the optimizer's buckets), then capture its forward and its backward (the
@@ -205,4 +214,3 @@ class BodyGraphs:
         c.out = out.detach()
         self.captured[bucket] = c
         self.captures += 1
-        return c

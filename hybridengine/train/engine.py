@@ -262,7 +262,8 @@ class TrainEngine:
         opt = self.optimizer
         opt.zero_grad()
         if self.graphs is not None:
-            self.graphs.begin_step([b.grad for b in opt.buckets])
+            self.graphs.begin_step([b.grad for b in opt.buckets],
+                                   [mb.packed for mb in microbatches])
         metrics: list[dict] = []
         self.model.train()
         views = self._cp_views(microbatches)
