@@ -82,10 +82,13 @@ def test_layouts_without_graphs_say_why():
     engine = TrainEngine(STORIES, build_mesh(Layout(1, 1, 1)), dtype=torch.float32,
                          optim=OptimConfig(lr=0.0), cuda_graphs=True)
     assert engine.graphs is None
-    assert unsupported(engine.model, engine.mesh, torch.float32, torch.device("cpu")) == \
-        "not on CUDA"
-    why = unsupported(engine.model, engine.mesh, torch.float32, torch.device("cuda"))
-    assert why.startswith("float32 attention")
+    kw = dict(tp=1, pp=1, cp=1, dtype=torch.bfloat16, device_type="cuda", recompute=False,
+              lora=False)
+    assert unsupported(engine.cfg, **kw) is None
+    assert unsupported(engine.cfg, **{**kw, "device_type": "cpu"}) == "not on CUDA"
+    assert unsupported(engine.cfg, **{**kw, "dtype": torch.float32}).startswith("float32")
+    assert unsupported(engine.cfg, **{**kw, "pp": 2}) == "pipeline parallel"
+    assert unsupported(engine.cfg, **{**kw, "recompute": True}) == "activation recomputation"
 
 
 # --- GPU ---------------------------------------------------------------------------------------

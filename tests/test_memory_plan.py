@@ -623,3 +623,44 @@ def test_host_budget_is_the_memory_available_at_start(monkeypatch):
     finally:
         monkeypatch.undo()
         rl_memory._host_available_at_start.cache_clear()
+
+
+def test_graphed_roles_hold_one_pool_of_training_activations_in_every_phase():
+    """RoleSpec.graphed (train.cuda_graphs): the graphed roles' largest training activations,
+    padded by the bucket (1/16), sit in one pool in every phase, in place of the update's own
+    (forward-only passes keep their eager working set); a role trained eagerly keeps its
+    activations in its update only. Through rl.memory, a
+    run's use_cuda_graph plans the pool on CUDA where the engine graphs, not on the CPU."""
+    layout, seq = Layout(), RolloutSpec(4096)
+    actor = RoleSpec(QWEN2_5_7B, layout, train_tokens=8192)
+    critic = RoleSpec(QWEN2_5_7B, layout, value_head=True, train_tokens=4096)
+    plain = plan_memory({"actor": actor, "critic": critic}, seq, PHASE_USES)
+    graphed = plan_memory({"actor": dataclasses.replace(actor, graphed=True),
+                           "critic": dataclasses.replace(critic, graphed=True)}, seq, PHASE_USES)
+    act = plain.roles["actor"].activations
+    assert act > plain.roles["critic"].activations > 0
+    pool = int(act * (1 + 1 / 16))
+    for phase, parts in graphed.phases.items():
+        assert parts["graphs.pool"] == pool, phase
+        # the forward-only passes run eagerly: their working set stays theirs
+        assert parts.get("actor.activations") == plain.phases[phase].get(
+            "actor.activations") if phase == "old_log_prob" else "actor.activations" not in parts
+    assert "critic.activations" not in graphed.phases["update_critic"]
+    assert graphed.phases["rollout"] == {**plain.phases["rollout"], "graphs.pool": pool}
+    update = graphed.phases["update_actor"]
+    assert sum(update.values()) == sum(plain.phases["update_actor"].values()) + pool - act
+    # one role graphed: the other's update keeps its own activations beside the pool
+    half = plan_memory({"actor": actor, "critic": dataclasses.replace(critic, graphed=True)},
+                       seq, PHASE_USES)
+    assert half.phases["update_actor"]["actor.activations"] == act
+    assert half.phases["update_actor"]["graphs.pool"] == \
+        int(plain.roles["critic"].activations * (1 + 1 / 16))
+    cfg, run_layout, model = _default_run()
+    cfg.actor_rollout_ref.actor.use_cuda_graph = True
+    cfg.actor_rollout_ref.actor.megatron.param_dtype = "bfloat16"
+    for device, planned in ((torch.device("cpu"), False), (torch.device("cuda", 0), True)):
+        plan = rl_memory.plan_run_memory(cfg, run_layout, model, model, device, None)
+        assert ("graphs.pool" in plan.phases["rollout"]) == planned, device
+    cfg.actor_rollout_ref.actor.use_cuda_graph = False
+    plan = rl_memory.plan_run_memory(cfg, run_layout, model, model, torch.device("cuda", 0), None)
+    assert "graphs.pool" not in plan.phases["rollout"]

@@ -1,25 +1,27 @@
 """CUDA graphs of the training micro-batches (actor.use_cuda_graph, critic.use_cuda_graph).
 
-The updates are host-bound at the seed's size: in a PPO step's profile the device idles 126-182
-ms of each update's 0.7-0.8 s while the host launches a micro-batch's ~2,000 kernels
-(bench/RESULTS.md sessions 22-25). A graph replays them in one launch. What is captured is a
-micro-batch's decoder body, embedding to final norm, forward and backward (the parameters'
-gradient accumulation into the optimizer's buckets included); the head and the loss stay eager
-(their inputs and RL's per-step scalars change every call). Megatron-core's enable_cuda_graph
-captures per layer the same way.
+The updates are host-bound at the seed's size: in a PPO step's profile the device idles 126-182 ms
+of each update's 0.7-0.8 s while the host launches a micro-batch's ~2,000 kernels (bench/RESULTS.md
+sessions 22-25). A graph replays them in one launch. What is captured is a micro-batch's decoder
+body, embedding to final norm, forward and backward (the parameters' gradient accumulation into the
+optimizer's buckets included); the head and the loss stay eager (their inputs and RL's per-step
+scalars change every call). Megatron-core's enable_cuda_graph captures per layer the same way.
+Measured (bench/RESULTS.md session 31, PPO seed on one H200): the critic update 8-16% shorter, the
+actor update unchanged (its fused head keeps the device busy), the step within the machines'
+spread, the pool below reserved in every phase: opt-in, not a CUDA default.
 
-A graph has fixed shapes, packed micro-batches do not: each is padded to a bucket
-(bucket_for): tokens rounded up to a 16th of the power of two below them (< 6.25% more), the number of
-sequences and the longest sequence to powers of two. The pad tokens form sequences of their own
-(at most the bucket's longest each, so flash attention's grid covers them), the pad sequences
-past them have length 0; attention never crosses a sequence, every other op is per token, so the
-real tokens' outputs are those of the unpadded batch, and the pad rows' zero output gradient
-adds exactly nothing to any weight gradient. The pad tokens are whatever ids and positions the
-static buffers last held (valid ones: their activations stay finite).
+A graph has fixed shapes, packed micro-batches do not: each is padded to a bucket (bucket_for):
+tokens rounded up to a 16th of the power of two below them (< 6.25% more), the number of sequences
+and the longest sequence to powers of two. The pad tokens form sequences of their own (at most the
+bucket's longest each, so flash attention's grid covers them), the pad sequences past them have
+length 0; attention never crosses a sequence, every other op is per token, so the real tokens'
+outputs are those of the unpadded batch, and the pad rows' zero output gradient adds exactly
+nothing to any weight gradient. The pad tokens are whatever ids and positions the static buffers
+last held (valid ones: their activations stay finite).
 
-All graphs of a process share one memory pool (updates run one micro-batch at a time, one role
-at a time), so the pool holds about one bucket's activations; unlike eager activations it stays
-reserved between updates (the memory plan counts it in every phase). A graph also fixes the
+All graphs of a process share one memory pool (updates run one micro-batch at a time, one role at a
+time), so the pool holds about one bucket's activations; unlike eager activations it stays reserved
+between updates (train.memory_plan counts it in every phase: graphs.pool). A graph also fixes the
 addresses of the weights and of the gradient buckets it adds into: the engine checks them at each
 train_step and captures again where parking moved them.
 """
@@ -84,20 +86,21 @@ def _shared_pool(device: torch.device, graph: torch.cuda.CUDAGraph):
     return pool
 
 
-def unsupported(model, mesh, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why this engine's micro-batches cannot be graphed (None: they can)."""
-    cfg = model.cfg
+def unsupported(cfg, *, tp: int, pp: int, cp: int, dtype: torch.dtype, device_type: str,
+                recompute: bool, lora: bool) -> str | None:
+    """Why a role's training micro-batches cannot be graphed (None: they can): its model config
+    and layout, as the engine and the memory plan (rl.memory) both know them."""
     reasons = [
-        (device.type != "cuda", "not on CUDA"),
+        (device_type != "cuda", "not on CUDA"),
         (dtype not in (torch.bfloat16, torch.float16),
          f"{str(dtype).removeprefix('torch.')} attention runs per sequence from host bounds"),
-        (mesh.pp > 1, "pipeline parallel"), (mesh.cp > 1, "context parallel"),
-        (mesh.tp > 1, "tensor parallel (not yet run on GPUs)"),
+        (pp > 1, "pipeline parallel"), (cp > 1, "context parallel"),
+        (tp > 1, "tensor parallel (not yet run on GPUs)"),
         (any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)), "MoE routing sizes its "
          "groups on the host"),
         (cfg.attn_softcap is not None, "soft-capped attention reads host bounds"),
-        (model.recompute_layers, "activation recomputation"),
-        (any(".lora." in n for n, _ in model.named_parameters()), "LoRA (not yet run on GPUs)"),
+        (recompute, "activation recomputation"),
+        (lora, "LoRA (not yet run on GPUs)"),
     ]
     return next((why for bad, why in reasons if bad), None)
 

@@ -134,7 +134,9 @@ class TrainEngine:
         # train.cuda_graphs: the training micro-batches' decoder body replayed from graphs
         self.graphs = None
         if cuda_graphs and self.optimizer is not None:
-            why = graphs_unsupported(self.model, mesh, dtype, self.device)
+            why = graphs_unsupported(
+                self.cfg, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, dtype=dtype,
+                device_type=self.device.type, recompute=recompute, lora=lora is not None)
             if why is None:
                 self.graphs = BodyGraphs(self.model, self.device)
             elif mesh.rank == 0:

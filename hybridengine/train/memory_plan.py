@@ -32,6 +32,9 @@ else 1, q / kv / I: query / key-value / intermediate width per TP rank, d: head_
   context parallelism (c = cp): a rank runs T/c of a micro-batch's tokens (the padding of each
       sequence to a multiple of 2c not counted); all-gather attention also keeps every rank's
       K/V, 2·kv·(T − T/c) more per layer; ZeRO-1 shards over the dp·c replicas
+  CUDA graphs of training micro-batches (RoleSpec.graphed, train.cuda_graphs): the graphed
+      roles' largest training activations (+ the bucket's pad, < 1/16) in one pool held in
+      every phase ("graphs.pool"), in place of the update's own activations
 Not counted: per-parameter grads (one at a time), CUDA context, NCCL, fragmentation.
 
 Residency: a part (params, grads, optimizer = master + Adam) a role offloads is on the device
@@ -67,6 +70,8 @@ from hybridengine.train.stage_shapes import grad_buckets, lora_numels, stage_par
 
 GiB, ARENA_ALIGN_BYTES = 2 ** 30, 16    # hybrid/program.py ALIGN_BYTES (hybrid/ is above train/)
 PHASES = ("reshard", "rollout", "old_log_prob", "ref", "values", "update_critic", "update_actor")
+# a graphed micro-batch's tokens padded up to its bucket (train.cuda_graphs.bucket_for: < 1/16)
+GRAPH_PAD = 1 / 16
 # phase -> (the role computing in it, training or forward-only)
 COMPUTE = {"old_log_prob": ("actor", False), "ref": ("ref", False), "values": ("critic", False),
            "update_critic": ("critic", True), "update_actor": ("actor", True)}
@@ -90,6 +95,7 @@ class RoleSpec:
     recompute: bool = False
     host_step: bool = False                 # optimizer_offload=host_step (train/host_step.py)
     compiled: bool = False                  # training runs compiled decoder layers (CUDA)
+    graphed: bool = False                   # its training micro-batches in CUDA graphs
     train_tokens: int = 16384
     forward_tokens: int | None = None
     lora_rank: int = 0                      # > 0: the optimizer holds these adapters only
@@ -293,6 +299,11 @@ def host_memory(spec: RoleSpec, mem: RoleMemory) -> int:
 def _phase(phase, roles, mems, stages, uses, gen, rs) -> dict[str, int]:
     """{"role.part": bytes} resident on one rank (its stage per role) in `phase`."""
     out, compute = {}, COMPUTE.get(phase)
+    # graphed roles' training activations live in one CUDA graph pool, held in every phase
+    pool = max((mems[r, stages[r]].activations for r, s in roles.items() if s.graphed),
+               default=0)
+    if pool:
+        out["graphs.pool"] = int(pool * (1 + GRAPH_PAD))
     for r, spec in roles.items():
         mem = mems[r, stages[r]]
         for part in (PARTS if spec.trained else PARTS[:1]):
@@ -300,7 +311,9 @@ def _phase(phase, roles, mems, stages, uses, gen, rs) -> dict[str, int]:
                 out.update({f"{r}.{f}": getattr(mem, f) for f in FIELDS[part]})
         if compute and compute[0] == r:
             fwd = "" if compute[1] else "fwd_"
-            out.update({f"{r}.{f}": getattr(mem, fwd + f) for f in ("activations", "logits")})
+            graphed = compute[1] and spec.graphed       # its activations: the pool's
+            out.update({f"{r}.{f}": getattr(mem, fwd + f) for f in ("activations", "logits")
+                        if not (graphed and f == "activations")})
     if gen is not None and phase == "rollout" and "params" in roles["actor"].offload:
         out["actor.weights"] = rs[2]        # parked, except what the generation model uses
     if gen is not None and phase in ("reshard", "rollout"):
