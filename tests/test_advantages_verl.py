@@ -397,3 +397,19 @@ def test_other_estimators_skip_the_greedy_rollout(tmp_path):
     batch, metrics = collector.collect([0, 1], lambda: None, step=1, dataset=dataset)
     assert len(collector.generator.calls) == 1 and "reward_baselines" not in batch.tensors
     assert "timing_s/gen_max" not in metrics
+
+
+def test_validation_groups_by_the_data_source_column_not_the_reward_key(tmp_path):
+    """val/test_score/<name>: the rows' data_source column names the groups (verl's _validate),
+    whichever column (data.reward_fn_key) chose the rewards; val/reward/mean over all rows."""
+    collector, dataset = _collector(tmp_path, "data.train_batch_size=2",
+                                    "algorithm.adv_estimator=grpo")
+    for i, item in enumerate(dataset):
+        item["metrics_source"] = "even" if i % 2 == 0 else "odd"     # the data_source column
+    out = collector.validate(dataset)
+    scores = {i: _greedy_score(item["prompt_ids"]) for i, item in enumerate(dataset)}
+    assert set(out) >= {"val/test_score/even", "val/test_score/odd", "val/reward/mean"}
+    assert "val/test_score/fake" not in out
+    assert out["val/test_score/even"] == pytest.approx(sum(scores[i] for i in (0, 2, 4)) / 3)
+    assert out["val/test_score/odd"] == pytest.approx(sum(scores[i] for i in (1, 3, 5)) / 3)
+    assert out["val/reward/mean"] == pytest.approx(sum(scores.values()) / 6)

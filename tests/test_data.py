@@ -104,8 +104,9 @@ def test_load_rows_errors(tmp_path):
 
 def test_reward_fn_key_names_the_column_that_selects_the_reward(tmp_path, stories_tok):
     """data.reward_fn_key (verl's): the column whose string selects a row's rule reward (the
-    items' data_source, which the scoring and the validation metrics read); data_source by
-    default. A row without that column: one line naming the key."""
+    items' data_source, which the scoring reads); data_source by default. The validation
+    metrics group by the data_source column whatever the key (metrics_source, as verl's
+    trainer). A row without that column: one line naming the key."""
     rows = [{**_row("say cat", ["cat"]), "ability": "keyword"} for _ in range(2)]
     for row in rows:
         row["data_source"] = "openai/gsm8k"
@@ -113,8 +114,12 @@ def test_reward_fn_key_names_the_column_that_selects_the_reward(tmp_path, storie
     by_ability = PromptDataset(load_rows(path, reward_fn_key="ability"), stories_tok,
                                max_prompt_length=64, reward_fn_key="ability")
     assert [by_ability[i]["data_source"] for i in range(2)] == ["keyword", "keyword"]
+    assert [by_ability[i]["metrics_source"] for i in range(2)] == ["openai/gsm8k"] * 2
     default = PromptDataset(load_rows(path), stories_tok, max_prompt_length=64)
-    assert default[0]["data_source"] == "openai/gsm8k"
+    assert default[0]["data_source"] == default[0]["metrics_source"] == "openai/gsm8k"
+    no_source = [{k: v for k, v in row.items() if k != "data_source"} for row in rows]
+    assert PromptDataset(no_source, stories_tok, max_prompt_length=64,
+                         reward_fn_key="ability")[0]["metrics_source"] == "unknown"
     with pytest.raises(ValueError, match=r"rows.jsonl row 0: missing 'task' \(data.reward_fn_key\)"):
         load_rows(path, reward_fn_key="task")
 

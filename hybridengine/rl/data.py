@@ -203,9 +203,11 @@ def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
 
 
 class PromptDataset:
-    """Tokenized prompts; item i is ``{"prompt_ids", "data_source", "ground_truth",
-    "extra_info", "index", "messages"}``, its data_source the row's reward_fn_key column (verl's
-    data.reward_fn_key: what selects the rule reward; the data_source column by default).
+    """Tokenized prompts; item i is ``{"prompt_ids", "data_source", "metrics_source",
+    "ground_truth", "extra_info", "index", "messages"}``, its data_source the row's reward_fn_key
+    column (verl's data.reward_fn_key: what selects the rule reward; the data_source column by
+    default), its metrics_source the row's data_source column ("unknown" without one), which
+    groups the validation scores whatever reward_fn_key says, as verl's trainer groups them.
 
     apply_chat_template: None uses the tokenizer's template when it has one; without a template
     the message contents are joined by newlines and BOS (if any) is prepended.
@@ -273,6 +275,7 @@ class PromptDataset:
         return {
             "prompt_ids": self.prompt_ids[i],
             "data_source": row[self.reward_fn_key],
+            "metrics_source": row.get(REWARD_FN_KEY, "unknown"),
             "ground_truth": row["reward_model"]["ground_truth"],
             "extra_info": extra_info,
             "index": extra_info.get("index", i),

@@ -190,15 +190,18 @@ class RolloutCollector:
 
     def validate(self, dataset) -> dict:
         """Mean reward (and accuracy when the reward reports it) per data source on the whole
-        validation set, with actor_rollout_ref.rollout.val_kwargs."""
+        validation set, with actor_rollout_ref.rollout.val_kwargs. Grouped by the rows'
+        data_source column (verl's _validate), not by the reward_fn_key column that chose each
+        row's reward (the same by default)."""
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
         items = [dataset[i] for i in range(len(dataset))]
         batch, _ = self._generate(items, self.sampling(vk, seed=self.cfg.trainer.seed))
         self._score(batch)
         scores = batch.tensors["token_level_scores"].sum(-1)
-        out = {}
-        for ds in sorted(set(batch.data_source)):
-            sel = torch.tensor([d == ds for d in batch.data_source])
+        out, sources = {}, [items[g].get("metrics_source", items[g]["data_source"])
+                            for g in batch.group]
+        for ds in sorted(set(sources)):
+            sel = torch.tensor([d == ds for d in sources])
             out[f"val/test_score/{ds}"] = scores[sel].mean().item()
         out["val/reward/mean"] = scores.mean().item()
         out["val/response_length/mean"] = float(

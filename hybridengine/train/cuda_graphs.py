@@ -8,7 +8,7 @@ optimizer's buckets included); the head and the loss stay eager (their inputs an
 scalars change every call). Megatron-core's enable_cuda_graph captures per layer the same way.
 Measured (bench/RESULTS.md session 31, PPO seed on one H200): the critic update 8-16% shorter, the
 actor update unchanged (its fused head keeps the device busy), the step within the machines'
-spread, the pool below reserved in every phase: opt-in, not a CUDA default.
+spread, and the pool's +6.8 GiB reserved in every phase: opt-in, not a CUDA default.
 
 A graph has fixed shapes, packed micro-batches do not: each is padded to a bucket (bucket_for):
 tokens rounded up to a 16th of the power of two below them (< 6.25% more), the number of sequences
