@@ -629,7 +629,8 @@ def test_graphed_roles_hold_one_pool_of_training_activations_in_every_phase():
     """RoleSpec.graphed (train.cuda_graphs): the graphed roles' largest training activations,
     padded by the bucket (1/16), sit in one pool in every phase, in place of the update's own
     (forward-only passes keep their eager working set); a role trained eagerly keeps its
-    activations in its update only. Through rl.memory, a
+    activations in its update only. The start report's line names the graphed roles and the
+    pool, or why a role asking for graphs trains eagerly. Through rl.memory, a
     run's use_cuda_graph plans the pool on CUDA where the engine graphs, not on the CPU."""
     layout, seq = Layout(), RolloutSpec(4096)
     actor = RoleSpec(QWEN2_5_7B, layout, train_tokens=8192)
@@ -655,12 +656,26 @@ def test_graphed_roles_hold_one_pool_of_training_activations_in_every_phase():
     assert half.phases["update_actor"]["actor.activations"] == act
     assert half.phases["update_actor"]["graphs.pool"] == \
         int(plain.roles["critic"].activations * (1 + 1 / 16))
-    cfg, run_layout, model = _default_run()
+    cfg, run_layout, model = _default_run(100)      # a budget: no device is asked its size
     cfg.actor_rollout_ref.actor.use_cuda_graph = True
     cfg.actor_rollout_ref.actor.megatron.param_dtype = "bfloat16"
     for device, planned in ((torch.device("cpu"), False), (torch.device("cuda", 0), True)):
         plan = rl_memory.plan_run_memory(cfg, run_layout, model, model, device, None)
         assert ("graphs.pool" in plan.phases["rollout"]) == planned, device
+    cuda = torch.device("cuda", 0)
+    pool = rl_memory.plan_run_memory(cfg, run_layout, model, model, cuda, None).phases[
+        "rollout"]["graphs.pool"]
+    # the start report: which roles run in graphs and the pool, or why a role trains eagerly
+    line = rl_memory.memory_report(cfg, run_layout, model, model, cuda)[-1]
+    assert line == f"training CUDA graphs: actor (a pool of {memory_advice.gib_text(pool)} " \
+        f"held in every phase)", line
+    assert rl_memory.memory_report(cfg, run_layout, model, model, torch.device("cpu"))[-1] == \
+        "training CUDA graphs: actor eager: not on CUDA"
+    cfg.actor_rollout_ref.model.enable_gradient_checkpointing = True
+    assert rl_memory.memory_report(cfg, run_layout, model, model, cuda)[-1] == \
+        "training CUDA graphs: actor eager: activation recomputation"
     cfg.actor_rollout_ref.actor.use_cuda_graph = False
-    plan = rl_memory.plan_run_memory(cfg, run_layout, model, model, torch.device("cuda", 0), None)
+    plan = rl_memory.plan_run_memory(cfg, run_layout, model, model, cuda, None)
     assert "graphs.pool" not in plan.phases["rollout"]
+    assert not rl_memory.memory_report(cfg, run_layout, model, model, cuda)[-1].startswith(
+        "training CUDA graphs")

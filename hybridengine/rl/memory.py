@@ -10,6 +10,7 @@ trainer.host_memory_gb, else most of the memory the host has available at start 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -21,8 +22,8 @@ from hybridengine.hybrid.generator import max_prefill_tokens
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
+from hybridengine.rl.training_graphs import graph_requests, graphs_line, graphs_off
 from hybridengine.rollout.rollout_config import STATIC_ONLY_BACKENDS
-from hybridengine.train.cuda_graphs import unsupported as graphs_unsupported
 from hybridengine.train.memory_advice import fit_error, fits, gib_text, kv_slots_short
 from hybridengine.train.memory_plan import (MemoryPlan, RoleSpec, RolloutSpec, host_memory,
                                             plan_memory)
@@ -69,15 +70,6 @@ def _compiled(role, device: torch.device) -> dict:
     return dict(compiled=cuda and bool(role.use_torch_compile))
 
 
-def _graphed(role, model: ModelConfig, lay, dtype: torch.dtype, device: torch.device,
-             recompute: bool, lora: bool) -> dict:
-    """RoleSpec's graphed: use_cuda_graph where the engine graphs the role's training
-    micro-batches (train.cuda_graphs.unsupported: else it trains eagerly)."""
-    why = graphs_unsupported(model, tp=lay.tp, pp=lay.pp, cp=lay.cp, dtype=dtype,
-                             device_type=device.type, recompute=recompute, lora=lora)
-    return dict(graphed=bool(role.use_cuda_graph) and why is None)
-
-
 def _lora_spec(model) -> dict:
     """RoleSpec's LoRA fields of a role's model section (none without adapters)."""
     if model.lora_rank <= 0:
@@ -93,9 +85,8 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
     seq = d.max_prompt_length + d.max_response_length
     a, r, m = arr.actor, arr.rollout, arr.model
     lora = tuple(_lora_spec(m).values()) or (0, ())
-    a_dtype = param_dtype(a.megatron.param_dtype, device)
     roles = {"actor": RoleSpec(
-        actor_model, layout.actor, a_dtype,
+        actor_model, layout.actor, param_dtype(a.megatron.param_dtype, device),
         use_distributed_optimizer=a.megatron.use_distributed_optimizer,
         offload=_trained_offload(a.megatron),
         recompute=arr.model.enable_gradient_checkpointing,
@@ -104,9 +95,7 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
                              a.ppo_micro_batch_size_per_gpu, seq),
         forward_tokens=_tokens(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu,
                                r.log_prob_micro_batch_size_per_gpu, seq),
-        lora_rank=lora[0], lora_targets=lora[1], **_compiled(a, device),
-        **_graphed(a, actor_model, layout.actor, a_dtype, device,
-                   arr.model.enable_gradient_checkpointing, bool(lora[0])))}
+        lora_rank=lora[0], lora_targets=lora[1], **_compiled(a, device))}
     if uses_reference(cfg) and not lora[0]:     # with LoRA the reference is the actor's base
         f = arr.ref
         roles["ref"] = RoleSpec(
@@ -116,9 +105,8 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
                                  f.log_prob_micro_batch_size_per_gpu, seq))
     if uses_critic(cfg):
         c = cfg.critic
-        c_model, c_dtype = critic_model or actor_model, param_dtype(c.megatron.param_dtype, device)
         roles["critic"] = RoleSpec(
-            c_model, layout.critic, c_dtype,
+            critic_model or actor_model, layout.critic, param_dtype(c.megatron.param_dtype, device),
             value_head=True, use_distributed_optimizer=c.megatron.use_distributed_optimizer,
             offload=_trained_offload(c.megatron),
             recompute=c.model.enable_gradient_checkpointing,
@@ -127,9 +115,10 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
                                  c.ppo_micro_batch_size_per_gpu, seq),
             forward_tokens=_tokens(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
                                    c.forward_micro_batch_size_per_gpu, seq),
-            **_lora_spec(c.model), **_compiled(c, device),
-            **_graphed(c, c_model, layout.critic, c_dtype, device,
-                       c.model.enable_gradient_checkpointing, c.model.lora_rank > 0))
+            **_lora_spec(c.model), **_compiled(c, device))
+    for name, asked in graph_requests(cfg).items():
+        if asked and graphs_off(roles[name], device) is None:
+            roles[name] = dataclasses.replace(roles[name], graphed=True)
     rollout = RolloutSpec(seq, layout.rollout.tp, param_dtype(r.dtype, device), r.max_num_seqs,
                           None, r.gpu_memory_utilization, max_prefill_tokens(seq),
                           cfg.trainer.hybrid_engine.reshard_bucket_mb)
@@ -369,7 +358,8 @@ def _kv_line(cfg, plan: MemoryPlan, layout, actor_model: ModelConfig) -> str | N
 
 
 def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) -> list[str]:
-    """The lines printed at start: the plan's table, and the KV cache's line when it applies."""
+    """The lines printed at start: the plan's table, the KV cache's line and the training CUDA
+    graphs' line when they apply."""
     budget = device_budget(cfg, device)
     plan = plan_run_memory(cfg, layout, actor_model, critic_model, device, budget)
     where = f", device budget {budget / 2**30:.1f} GiB" if budget else ""
@@ -379,5 +369,5 @@ def memory_report(cfg, layout, actor_model, critic_model, device: torch.device) 
              + (f" ({gib_text(plan.host)} per rank, {ranks_per_host()} rank(s) on this host"
                 + (f" of {gib_text(host)} allowed)" if host is not None else ")")
                 if plan.host else "")]
-    kv = _kv_line(cfg, plan, layout, actor_model)
-    return lines + ([kv] if kv else [])
+    extra = (_kv_line(cfg, plan, layout, actor_model), graphs_line(cfg, plan, device))
+    return lines + [line for line in extra if line]
