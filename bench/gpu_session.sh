@@ -16,8 +16,8 @@ ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .w
 OUT=${OUT:-/tmp/out}; RES=/tmp/gpu_results; mkdir -p "$OUT" "$RES"
 # Compilation is most of a short benchmark's time (the rollout's 130-170 s warm-up at 0.5B):
 # inductor's and Triton's caches live in one folder that a call brings back, gzipped in parts
-# of 15 MB ($OUT/compile_cache.tgz.part-aa, -ab, ...: a returned file has at most 16 MiB; up
-# to 45 MB in all, the rest of a call's 64 MiB being the tree), and a later call, another
+# of 15 MB ($OUT/compile_cache.tgz.part-aa, -ab, ...: a returned file has at most 16 MiB; in
+# all what a call's 64 MiB leave beside the tree: pack_cache), and a later call, another
 # machine of the same image, may carry in as .compile_cache/compile_cache.tgz.part-*.
 # Measured: GRPO 1.5B's first step compiled in 201 s cold, 78 s with the cache.
 # (not $CC: that is the C compiler's variable, which Triton reads)
@@ -32,10 +32,14 @@ COMPILE_CACHE=/tmp/compile_cache; export TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/
   echo "compile cache: $(du -sh "$COMPILE_CACHE")" >> "$RES/session.log"
 # Pack after every run too, so a call killed at its time limit still returns what finished.
 pack() { tar -czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/session.log" "$OUT/"; }
+# The cache comes back only if a later call can carry it beside this tree (its 64 MiB hold the
+# tree, .benchdata, .whl and the cache: session 31's 38.7 MB cache could not go back in).
 pack_cache() { [ -d "$COMPILE_CACHE" ] || return 0; tar -czf /tmp/cc.tgz -C "$COMPILE_CACHE" . || return 0
-               if [ "$(stat -c %s /tmp/cc.tgz)" -lt 45000000 ]; then rm -f "$OUT"/compile_cache.tgz*
+               rest=$(du -sb --exclude=./.compile_cache --exclude=./.before --exclude=./.git --exclude=./checkpoints --exclude=__pycache__ . | cut -f1)
+               room=$((67108864 - rest - 2000000))
+               if [ "$(stat -c %s /tmp/cc.tgz)" -lt "$room" ]; then rm -f "$OUT"/compile_cache.tgz*
                  split -b 15000000 /tmp/cc.tgz "$OUT/compile_cache.tgz.part-"
-               else echo "compile cache not returned: $(stat -c %s /tmp/cc.tgz) bytes" >> "$RES/session.log"; fi; }
+               else echo "compile cache not returned: $(stat -c %s /tmp/cc.tgz) bytes, room for $room beside the tree" >> "$RES/session.log"; fi; }
 trap 'pack_cache; pack' EXIT
 parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
