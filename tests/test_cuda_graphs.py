@@ -89,6 +89,8 @@ def test_layouts_without_graphs_say_why():
     assert unsupported(engine.cfg, **{**kw, "dtype": torch.float32}).startswith("float32")
     assert unsupported(engine.cfg, **{**kw, "pp": 2}) == "pipeline parallel"
     assert unsupported(engine.cfg, **{**kw, "recompute": True}) == "activation recomputation"
+    assert unsupported(engine.cfg, **{**kw, "offloaded": True}).startswith(
+        "its weights or gradients are offloaded between phases")
 
 
 # --- GPU ---------------------------------------------------------------------------------------

@@ -671,6 +671,10 @@ def test_graphed_roles_hold_one_pool_of_training_activations_in_every_phase():
         f"held in every phase)", line
     assert rl_memory.memory_report(cfg, run_layout, model, model, torch.device("cpu"))[-1] == \
         "training CUDA graphs: actor eager: not on CUDA"
+    rl_memory._megatron(cfg, "actor").grad_offload = True     # buckets move every step
+    assert rl_memory.memory_report(cfg, run_layout, model, model, cuda)[-1].startswith(
+        "training CUDA graphs: actor eager: its weights or gradients are offloaded")
+    rl_memory._megatron(cfg, "actor").grad_offload = False
     cfg.actor_rollout_ref.model.enable_gradient_checkpointing = True
     assert rl_memory.memory_report(cfg, run_layout, model, model, cuda)[-1] == \
         "training CUDA graphs: actor eager: activation recomputation"

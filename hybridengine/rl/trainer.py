@@ -124,7 +124,7 @@ class Trainer:
         actor_engine = TrainEngine(
             arr.model.path, meshes.actor, dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
-            temperature=temperature,
+            temperature=temperature, offload=offload_parts(a_meg, True),
             recompute=bool(arr.model.enable_gradient_checkpointing),
             optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps),
             lora=lora, cuda_graphs=bool(arr.actor.use_cuda_graph),
@@ -144,7 +144,7 @@ class Trainer:
             c = cfg.critic
             critic_engine = TrainEngine(
                 c.model.path, meshes.critic, value_head=True,
-                compile_layers=bool(c.use_torch_compile),
+                compile_layers=bool(c.use_torch_compile), offload=offload_parts(c.megatron, True),
                 recompute=bool(c.model.enable_gradient_checkpointing),
                 dtype=param_dtype(c.megatron.param_dtype, self.device), device=self.device,
                 sequence_parallel=lay.critic.sequence_parallel,

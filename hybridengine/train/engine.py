@@ -95,7 +95,8 @@ class TrainEngine:
                  optim: OptimConfig | None = None, temperature: float = 1.0,
                  compile_layers: bool = False, recompute: bool = False,
                  lora: LoRAConfig | None = None,
-                 router_losses: tuple[float, float] = (0.0, 0.0), cuda_graphs: bool = False):
+                 router_losses: tuple[float, float] = (0.0, 0.0), cuda_graphs: bool = False,
+                 offload: tuple[str, ...] = ()):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
@@ -132,11 +133,14 @@ class TrainEngine:
         else:
             self.model.requires_grad_(False)
         # train.cuda_graphs: the training micro-batches' decoder body replayed from graphs
+        # (offload: the PARTS the trainer parks between phases; weights or gradients that move
+        # every step would have the graphs captured again every step)
         self.graphs = None
         if cuda_graphs and self.optimizer is not None:
             why = graphs_unsupported(
                 self.cfg, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, dtype=dtype,
-                device_type=self.device.type, recompute=recompute, lora=lora is not None)
+                device_type=self.device.type, recompute=recompute, lora=lora is not None,
+                offloaded=bool({"params", "grads"} & set(offload)))
             if why is None:
                 self.graphs = BodyGraphs(self.model, self.device)
             elif mesh.rank == 0:
