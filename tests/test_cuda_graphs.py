@@ -81,7 +81,7 @@ def test_padded_body_equals_the_micro_batch_and_adds_no_gradient(one_thread):
 def test_layouts_without_graphs_say_why():
     engine = TrainEngine(STORIES, build_mesh(Layout(1, 1, 1)), dtype=torch.float32,
                          optim=OptimConfig(lr=0.0), cuda_graphs=True)
-    assert engine.graphs is None
+    assert engine.graphs is None and engine.graphs_off == "not on CUDA"
     kw = dict(tp=1, pp=1, cp=1, dtype=torch.bfloat16, device_type="cuda", recompute=False,
               lora=False)
     assert unsupported(engine.cfg, **kw) is None

@@ -20,7 +20,6 @@ micro-batch's share of the batch loss (the DP reduction sums gradients).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,16 +134,15 @@ class TrainEngine:
         # train.cuda_graphs: the training micro-batches' decoder body replayed from graphs
         # (offload: the PARTS the trainer parks between phases; weights or gradients that move
         # every step would have the graphs captured again every step)
-        self.graphs = None
+        self.graphs, self.graphs_off = None, None
         if cuda_graphs and self.optimizer is not None:
-            why = graphs_unsupported(
+            # why not, where not (the trainer's start report prints it: rl.training_graphs)
+            self.graphs_off = graphs_unsupported(
                 self.cfg, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, dtype=dtype,
                 device_type=self.device.type, recompute=recompute, lora=lora is not None,
                 offloaded=bool({"params", "grads"} & set(offload)))
-            if why is None:
+            if self.graphs_off is None:
                 self.graphs = BodyGraphs(self.model, self.device)
-            elif mesh.rank == 0:
-                warnings.warn(f"training CUDA graphs off for this engine: {why}")
         self._parking: dict[str, HostParking] = {}
 
     # --- setup --------------------------------------------------------------------------------
