@@ -89,8 +89,9 @@ def test_layouts_without_graphs_say_why():
     assert unsupported(engine.cfg, **{**kw, "dtype": torch.float32}).startswith("float32")
     assert unsupported(engine.cfg, **{**kw, "pp": 2}) == "pipeline parallel"
     assert unsupported(engine.cfg, **{**kw, "recompute": True}) == "activation recomputation"
-    assert unsupported(engine.cfg, **{**kw, "offloaded": True}).startswith(
+    assert unsupported(engine.cfg, **{**kw, "offload": ("grads",)}).startswith(
         "its weights or gradients are offloaded between phases")
+    assert unsupported(engine.cfg, **{**kw, "offload": ("optimizer",)}) is None
 
 
 # --- GPU ---------------------------------------------------------------------------------------

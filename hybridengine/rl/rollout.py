@@ -198,8 +198,7 @@ class RolloutCollector:
         batch, _ = self._generate(items, self.sampling(vk, seed=self.cfg.trainer.seed))
         self._score(batch)
         scores = batch.tensors["token_level_scores"].sum(-1)
-        out, sources = {}, [items[g].get("metrics_source", items[g]["data_source"])
-                            for g in batch.group]
+        out, sources = {}, [items[g]["metrics_source"] for g in batch.group]
         for ds in sorted(set(sources)):
             sel = torch.tensor([d == ds for d in sources])
             out[f"val/test_score/{ds}"] = scores[sel].mean().item()

@@ -151,11 +151,11 @@ class Trainer:
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps),
                 lora=_lora_config(c.model), cuda_graphs=bool(c.use_cuda_graph))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
-        offload = {"actor": (actor_engine, offload_parts(a_meg, True))}
+        offload = {"actor": (actor_engine, actor_engine.offload)}
         if self.ref is not None and not self.ref.base_of_actor:
             offload["ref"] = (self.ref.engine, offload_parts(arr.ref.megatron, False))
         if self.critic is not None:
-            offload["critic"] = (self.critic.engine, offload_parts(cfg.critic.megatron, True))
+            offload["critic"] = (self.critic.engine, self.critic.engine.offload)
         self.residency = Residency(offload)
         r, h = arr.rollout, cfg.trainer.hybrid_engine
         self.generator = Generator(actor_engine, meshes.gen, r,

@@ -19,7 +19,7 @@ def graphs_off(spec: RoleSpec, device: torch.device) -> str | None:
     return graphs_unsupported(spec.cfg, tp=lay.tp, pp=lay.pp, cp=lay.cp, dtype=spec.dtype,
                               device_type=device.type, recompute=spec.recompute,
                               lora=spec.lora_rank > 0,
-                              offloaded=bool({"params", "grads"} & set(spec.offload)))
+                              offload=spec.offload)
 
 
 def graph_requests(cfg) -> dict[str, bool]:

@@ -87,11 +87,11 @@ def _shared_pool(device: torch.device, graph: torch.cuda.CUDAGraph):
 
 
 def unsupported(cfg, *, tp: int, pp: int, cp: int, dtype: torch.dtype, device_type: str,
-                recompute: bool, lora: bool, offloaded: bool = False) -> str | None:
+                recompute: bool, lora: bool, offload: tuple[str, ...] = ()) -> str | None:
     """Why a role's training micro-batches cannot be graphed (None: they can): its model config
-    and layout, as the engine and the memory plan (rl.memory) both know them. offloaded: its
-    weights or gradient buckets parked between phases (HostParking gives them new addresses:
-    every step would capture its graphs again)."""
+    and layout, as the engine and the memory plan (rl.memory) both know them. offload: the
+    parts (train.engine.PARTS) the trainer parks between phases; parked weights or gradient
+    buckets come back at new addresses (HostParking), so every step would capture again."""
     reasons = [
         (device_type != "cuda", "not on CUDA"),
         (dtype not in (torch.bfloat16, torch.float16),
@@ -103,8 +103,9 @@ def unsupported(cfg, *, tp: int, pp: int, cp: int, dtype: torch.dtype, device_ty
         (cfg.attn_softcap is not None, "soft-capped attention reads host bounds"),
         (recompute, "activation recomputation"),
         (lora, "LoRA (not yet run on GPUs)"),
-        (offloaded, "its weights or gradients are offloaded between phases (new addresses "
-         "every step: the graphs would be captured again every step)"),
+        (bool({"params", "grads"} & set(offload)), "its weights or gradients are offloaded "
+         "between phases (new addresses every step: the graphs would be captured again every "
+         "step)"),
     ]
     return next((why for bad, why in reasons if bad), None)
 

@@ -134,13 +134,13 @@ class TrainEngine:
         # train.cuda_graphs: the training micro-batches' decoder body replayed from graphs
         # (offload: the PARTS the trainer parks between phases; weights or gradients that move
         # every step would have the graphs captured again every step)
-        self.graphs, self.graphs_off = None, None
+        self.offload, self.graphs, self.graphs_off = tuple(offload), None, None
         if cuda_graphs and self.optimizer is not None:
             # why not, where not (the trainer's start report prints it: rl.training_graphs)
             self.graphs_off = graphs_unsupported(
                 self.cfg, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, dtype=dtype,
                 device_type=self.device.type, recompute=recompute, lora=lora is not None,
-                offloaded=bool({"params", "grads"} & set(offload)))
+                offload=offload)
             if self.graphs_off is None:
                 self.graphs = BodyGraphs(self.model, self.device)
         self._parking: dict[str, HostParking] = {}
