@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: realtext paged paged_ppo freecache ppo_ab graph_ab group_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: realtext paged paged_ppo freecache flag_ab ppo_ab graph_ab group_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -175,6 +175,19 @@ for p in $parts; do case $p in
              b) TAG=_eager$((i + 1)) PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
                   bash "$0" ppo ;;
              *) echo "GRAPH_ORDER: a (graphs) or b (eager), not '${order:i:1}'" | tee -a "$RES/session.log" ;;
+           esac; done ;;
+  flag_ab) # issue 27: one switch on (a) against the same tree without it (b) in one call: AB_SET
+           # the key=value settings of (a) (each passed as --set), AB_NAME the runs' tag
+           # (<run>_<AB_NAME><i> / <run>_base<i>), in AB_ORDER (default abba); PPO_STEPS timed
+           # steps, no profile (PPO_PROFILE to add one)
+           sets=""; for kv in ${AB_SET:?AB_SET=key=value ...}; do sets="$sets --set $kv"; done
+           order=${AB_ORDER:-abba}
+           for (( i = 0; i < ${#order}; i++ )); do case ${order:i:1} in
+             a) TAG=_${AB_NAME:-flag}$((i + 1)) PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
+                  PPO_ARGS="$sets ${PPO_ARGS:-}" bash "$0" ppo ;;
+             b) TAG=_base$((i + 1)) PPO_PROFILE=${PPO_PROFILE-} ONLY="${AB_RUNS:-ppo_seed}" \
+                  bash "$0" ppo ;;
+             *) echo "AB_ORDER: a (AB_SET) or b (without), not '${order:i:1}'" | tee -a "$RES/session.log" ;;
            esac; done ;;
   ppo_ab)  # issue 27's before/after in one call: the `ppo` runs named in AB_RUNS (default
            # ppo_seed) from .before/ (an earlier commit's code: BEFORE=REV bash

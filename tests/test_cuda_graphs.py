@@ -8,8 +8,9 @@ from hybridengine.models.attention import PackedInput
 from hybridengine.parallel.layout import Layout
 from hybridengine.parallel.mesh import build_mesh
 from hybridengine.train.cuda_graphs import Bucket, bucket_for, fill_static, unsupported
-from hybridengine.train.engine import MicroBatch, OptimConfig, TrainEngine
+from hybridengine.train.engine import OptimConfig, TrainEngine
 from model_utils import STORIES
+from train_utils import LENGTHS, assert_grads_close, packed as _packed, train_steps
 
 
 @pytest.mark.parametrize("tokens,seqs,longest,multiple", [
@@ -32,12 +33,6 @@ def test_nearby_micro_batches_share_a_bucket():
         t = int(torch.randint(7000, 8193, (1,), generator=g))
         buckets.add(bucket_for(t, int(torch.randint(17, 31, (1,), generator=g)), 768))
     assert len(buckets) <= 5
-
-
-def _packed(lens, vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (sum(lens),), generator=g)
-    return PackedInput.from_lengths(ids, lens)
 
 
 def test_padded_body_equals_the_micro_batch_and_adds_no_gradient(one_thread):
@@ -95,44 +90,10 @@ def test_layouts_without_graphs_say_why():
 
 
 # --- GPU ---------------------------------------------------------------------------------------
-LENGTHS = [[[90, 70, 100], [33, 5, 61, 20]],       # train steps of two or three micro-batches:
-           [[120, 7], [64, 64, 64], [1, 2, 3]],     # lengths that share buckets, lengths that
-           [[90, 70, 100], [200, 180]],             # make new ones
-           [[33, 5, 61, 20], [120, 7], [250]]]
-
-
 def _engine(graphs: bool, compile_layers: bool, lr: float):
     return TrainEngine(STORIES, build_mesh(Layout(1, 1, 1)), dtype=torch.bfloat16,
                        device="cuda", optim=OptimConfig(lr=lr, grad_clip=1.0),
                        compile_layers=compile_layers, cuda_graphs=graphs)
-
-
-def _steps(engine, park: bool = False):
-    """Per train step of LENGTHS: its loss, entropy and grad norm, and every parameter's
-    accumulated gradient (the optimizer's buckets, read after the step). park: the weights,
-    gradient buckets and optimizer state go to host memory and back after step 2 (new
-    addresses, as the trainer's offload gives them between phases)."""
-    vocab = engine.cfg.vocab_size
-    history, grads = [], []
-    for step, lens_list in enumerate(LENGTHS):
-        mbs = []
-        for i, lens in enumerate(lens_list):
-            p = _packed(lens, vocab, 10 * step + i)
-            mask = (torch.arange(p.num_tokens) % 3 != 0).float()
-            mbs.append(MicroBatch(p, {"targets": torch.roll(p.input_ids, -1), "mask": mask})
-                       .to("cuda"))
-
-        def loss_fn(out, mb):
-            loss = -(out["logprob"] * mb.tensors["mask"]).sum() / 1000
-            return loss, {"loss": loss.detach(), "entropy": out["entropy"].mean().detach()}
-        m = engine.train_step(mbs, loss_fn)
-        history.append([m["loss"], m["entropy"], m["grad_norm"]])
-        if park and step == 1:
-            engine.park(["params", "grads", "optimizer"])
-            engine.unpark(["params", "grads", "optimizer"])
-        grads.append({n: p.main_grad.float().cpu().clone()
-                      for n, p in engine.model.named_parameters()})
-    return torch.tensor(history), grads
 
 
 @pytest.mark.gpu
@@ -146,19 +107,16 @@ def test_graphed_train_steps_match_eager_on_cuda(compile_layers):
     per bucket, replays for the rest. Then four AdamW steps with the engine's parts parked and
     brought back after the second: the weights move and the losses follow the eager
     engine's."""
-    eager_hist, eager_grads = _steps(_engine(False, compile_layers, 0.0))
+    eager_hist, eager_grads = train_steps(_engine(False, compile_layers, 0.0))
     engine = _engine(True, compile_layers, 0.0)
     assert engine.graphs is not None
-    hist, grads = _steps(engine)
+    hist, grads = train_steps(engine)
     torch.testing.assert_close(hist, eager_hist, rtol=1e-2, atol=1e-3)
-    for step, (got, want) in enumerate(zip(grads, eager_grads)):
-        for name in want:
-            err = float((got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-12))
-            assert err < 2e-2, (step, name, err)
+    assert_grads_close(grads, eager_grads, 2e-2)
     buckets = {bucket_for(sum(lens), len(lens), max(lens)) for step in LENGTHS for lens in step}
     assert engine.graphs.captures == len(buckets) < 10
     assert engine.graphs.eager_calls == 0
-    moving_eager, _ = _steps(_engine(False, compile_layers, 1e-3), park=True)
-    moving, _ = _steps(_engine(True, compile_layers, 1e-3), park=True)
+    moving_eager, _ = train_steps(_engine(False, compile_layers, 1e-3), park=True)
+    moving, _ = train_steps(_engine(True, compile_layers, 1e-3), park=True)
     assert not torch.equal(moving_eager[1:, 0], eager_hist[1:, 0])      # the weights moved
     torch.testing.assert_close(moving, moving_eager, rtol=2e-2, atol=2e-3)

@@ -1,5 +1,6 @@
-"""Training engine parity: 3 AdamW steps agree across (tp, pp, dp) layouts; the forward-only
-schedule at pp=2 gives the pp=1 log-probs."""
+"""Training engine parity: 3 AdamW steps agree across (tp, pp, dp) layouts (with recomputation,
+with gradient-accumulation fusion); the forward-only schedule at pp=2 gives the pp=1
+log-probs."""
 import json
 import sys
 
@@ -38,12 +39,12 @@ def _microbatches(seqs, dp, dp_rank, tp):
     return mbs
 
 
-def _train(layout, model_dir, out_dir, recompute=False):
+def _train(layout, model_dir, out_dir, recompute=False, wgrad_fusion=False):
     mesh = build_mesh(layout)
     # float64: the optimizer keeps fp64 masters for fp64 params, so layouts agree to ~1e-13;
     # in fp32 Adam's g/sqrt(v) turns round-off of near-zero gradients into visible drift.
     engine = TrainEngine(model_dir, mesh, sequence_parallel=True, optim=OPTIM,
-                         dtype=torch.float64, recompute=recompute)
+                         dtype=torch.float64, recompute=recompute, wgrad_fusion=wgrad_fusion)
     history = []
     for step in range(STEPS):
         seqs = _sequences(step)
@@ -74,8 +75,11 @@ def _worker(rank, world, layouts, model_dir, tmp):
             logp, ent = _forward_only(Layout(*lay), model_dir)
             assert (logp - ref[0]).abs().max() < 1e-5 and (ent - ref[1]).abs().max() < 1e-5, lay
     for i, lay in enumerate(layouts):
-        # a 4th element "recompute": the same layout with activation recomputation
-        hist = _train(Layout(*lay[:3]), model_dir, f"{tmp}/out_{lay}", recompute=len(lay) > 3)
+        # a 4th element: the same layout with activation recomputation ("recompute"), or with
+        # the weight gradients accumulated by their GEMMs ("wgrad": parallel.wgrad_accumulation;
+        # at pp 2, 1F1B runs two forwards before their backwards)
+        hist = _train(Layout(*lay[:3]), model_dir, f"{tmp}/out_{lay}", recompute="recompute" in
+                      lay[3:], wgrad_fusion="wgrad" in lay[3:])
         if rank == 0:
             with open(f"{tmp}/hist_{lay}.json", "w") as f:
                 json.dump(hist, f)
@@ -102,7 +106,8 @@ def test_three_adamw_steps_agree_across_layouts(tmp_path):
     ref_hist = _train(Layout(1, 1, 1), model_dir, tmp_path / "ref")
     ref_params = load_file(str(next((tmp_path / "ref").glob("*.safetensors"))))
     two = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
-    four = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 1, "recompute")]
+    four = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 1, "recompute"),
+            (2, 2, 1, "wgrad")]
     run_dist(_worker, 2, two, model_dir, tmp_path)
     run_dist(_worker, 4, four, model_dir, tmp_path)
     for lay in two + four:

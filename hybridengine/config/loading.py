@@ -83,7 +83,15 @@ ALIASES = {
     "critic.optim.warmup_style": "critic.optim.lr_scheduler_type",
     _A + "optim.clip_grad": _A + "grad_clip",
     "critic.optim.clip_grad": "critic.grad_clip",
+    # verl passes Megatron's TransformerConfig fields through override_transformer_config; the
+    # one we have a key for is taken, the rest of that section is ignored (IGNORED)
+    _A + "megatron.override_transformer_config.gradient_accumulation_fusion":
+        _A + "megatron.gradient_accumulation_fusion",
+    "critic.megatron.override_transformer_config.gradient_accumulation_fusion":
+        "critic.megatron.gradient_accumulation_fusion",
 }
+# the sections above an aliased key that are not ours: read into, for the alias
+_ALIAS_SECTIONS = frozenset(k.rsplit(".", i)[0] for k in ALIASES for i in range(1, k.count(".")))
 
 # verl keys with no meaning here (fnmatch patterns on the key or a prefix of it): dropped, warned.
 IGNORED = (
@@ -279,6 +287,8 @@ def _accept(tree: dict, where: str, leaves: dict, sections: set, ignored: list,
                 if not (isinstance(value, str) and "${" in value):
                     _typed(key, value, leaves[key])  # early: a mapping cannot merge into a list
                 _set(kept, key, value)
+            elif key in _ALIAS_SECTIONS and isinstance(value, dict):
+                _accept(value, where, leaves, sections, ignored, errors, kept, key + ".")
             elif key in sections:
                 if not isinstance(value, dict):
                     raise ValueError(f"{where}{key}={value!r}: {key} is a config section, "

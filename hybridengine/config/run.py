@@ -93,6 +93,7 @@ class RefMegatronSection:
 class MegatronSection(RefMegatronSection):
     """A trained role's: the reference's, and its optimizer's sharding and offload."""
     use_distributed_optimizer: bool
+    gradient_accumulation_fusion: bool
     grad_offload: bool | str              # false | true | "auto"
     optimizer_offload: bool | str         # false | true | "host_step" | "auto"
 

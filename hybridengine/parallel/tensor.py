@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridengine.parallel.wgrad_accumulation import linear
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -261,10 +263,11 @@ class ColumnParallelLinear(nn.Module):
             if bias else None
         nn.init.normal_(self.weight, std=0.02)
         self.lora = None            # parallel.lora.LoRA adapters, when the model has them
+        self.fuse_wgrad = False     # the weight gradient into main_grad (wgrad_accumulation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = nn.functional.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.fuse_wgrad)
         if self.lora is not None and self.lora.enabled:
             y = y + self.lora.delta(x, self.out_per_partition)
         return y
@@ -289,9 +292,10 @@ class RowParallelLinear(nn.Module):
             if bias else None
         nn.init.normal_(self.weight, std=0.02)
         self.lora = None            # parallel.lora.LoRA adapters, when the model has them
+        self.fuse_wgrad = False     # the weight gradient into main_grad (wgrad_accumulation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.fuse_wgrad)
         if self.lora is not None and self.lora.enabled:
             # this rank's partial delta rides on the layer's own reduction (parallel.lora)
             y = y + self.lora.delta(x, self.weight.shape[0])

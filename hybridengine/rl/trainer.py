@@ -128,28 +128,28 @@ class Trainer:
             recompute=bool(arr.model.enable_gradient_checkpointing),
             optim=optim_config(arr.actor.optim, a_meg, arr.actor.grad_clip, self.total_steps),
             lora=lora, cuda_graphs=bool(arr.actor.use_cuda_graph),
+            wgrad_fusion=bool(a_meg.gradient_accumulation_fusion),
             router_losses=(arr.actor.router_aux_loss_coef, arr.actor.router_z_loss_coef))
         self.actor = Actor(actor_engine, arr)
         self.ref = None
         if uses_reference(cfg) and lora is not None:    # the base: the actor's adapters off
             self.ref = Reference(actor_engine, arr.ref, base_of_actor=True)
         elif uses_reference(cfg):
-            ref_engine = TrainEngine(arr.model.path, meshes.ref, dtype=dtype,
-                                     device=self.device, compile_layers=compile_lm,
-                                     temperature=temperature,
-                                     sequence_parallel=lay.ref.sequence_parallel)
-            self.ref = Reference(ref_engine, arr.ref)
+            self.ref = Reference(TrainEngine(
+                arr.model.path, meshes.ref, dtype=dtype, device=self.device,
+                compile_layers=compile_lm, temperature=temperature,
+                sequence_parallel=lay.ref.sequence_parallel), arr.ref)
         self.critic = None
         if uses_critic(cfg):
             c = cfg.critic
             critic_engine = TrainEngine(
-                c.model.path, meshes.critic, value_head=True,
+                c.model.path, meshes.critic, value_head=True, cuda_graphs=bool(c.use_cuda_graph),
                 compile_layers=bool(c.use_torch_compile), offload=offload_parts(c.megatron, True),
                 recompute=bool(c.model.enable_gradient_checkpointing),
                 dtype=param_dtype(c.megatron.param_dtype, self.device), device=self.device,
-                sequence_parallel=lay.critic.sequence_parallel,
+                sequence_parallel=lay.critic.sequence_parallel, lora=_lora_config(c.model),
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps),
-                lora=_lora_config(c.model), cuda_graphs=bool(c.use_cuda_graph))
+                wgrad_fusion=bool(c.megatron.gradient_accumulation_fusion))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
         offload = {"actor": (actor_engine, actor_engine.offload)}
         if self.ref is not None and not self.ref.base_of_actor:

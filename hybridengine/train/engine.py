@@ -40,6 +40,7 @@ from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
     train_1f1b
+from hybridengine.parallel.wgrad_accumulation import fuse_wgrad_accumulation
 
 
 # What a TrainEngine can park in host memory: its weights, its gradient buckets (dead between
@@ -95,7 +96,7 @@ class TrainEngine:
                  compile_layers: bool = False, recompute: bool = False,
                  lora: LoRAConfig | None = None,
                  router_losses: tuple[float, float] = (0.0, 0.0), cuda_graphs: bool = False,
-                 offload: tuple[str, ...] = ()):
+                 offload: tuple[str, ...] = (), wgrad_fusion: bool = False):
         self.mesh, self.dtype, self.device = mesh, dtype, torch.device(device)
         self.model_dir, self.temperature = model_dir, temperature
         if isinstance(model_dir, ModelConfig):      # benchmarks: random weights, no files
@@ -131,6 +132,10 @@ class TrainEngine:
             self.optimizer = self._build_optimizer(optim)
         else:
             self.model.requires_grad_(False)
+        # Megatron's gradient_accumulation_fusion (parallel.wgrad_accumulation): the linear
+        # layers' weight gradients go into the optimizer's fp32 buckets from their GEMM
+        self.wgrad_fused = fuse_wgrad_accumulation(self.model) \
+            if wgrad_fusion and self.optimizer is not None else 0
         # train.cuda_graphs: the training micro-batches' decoder body replayed from graphs
         # (offload: the PARTS the trainer parks between phases; weights or gradients that move
         # every step would have the graphs captured again every step)

@@ -148,6 +148,8 @@ class DistributedOptimizer:
         p.main_grad = b.grad[e.start:e.stop].view_as(p)
 
         def accumulate(param: torch.Tensor) -> None:
+            if param.grad is None:      # a fused linear's backward added it into main_grad
+                return                  # already (parallel.wgrad_accumulation)
             param.main_grad.add_(param.grad)
             param.grad = None
         return p.register_post_accumulate_grad_hook(accumulate)
