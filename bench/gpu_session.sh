@@ -4,7 +4,7 @@
 # $OUT holds session.log and results.tgz (all of them: the device tool returns 8 files at most).
 # One device call runs at most 10 minutes: split the parts over calls (ppo alone takes ~10).
 # Usage: OUT=/some/dir bash bench/gpu_session.sh [part ...]
-#   parts: realtext paged paged_ppo freecache flag_ab ppo_ab graph_ab group_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
+#   parts: realtext paged paged_ppo freecache wgradprobe flag_ab ppo_ab graph_ab group_ab trl issue27 tests model models models_ppo train rollout rollout_mixed tuned probe probe_quick gemmprobe swigluprobe smallgemm smallchain pagedprobe attnprobe timeline code reshard kernels ppo models steady steady2 megatron families_rollout families_ppo (families: both) moe longseq; ONLY="ppo_seed grpo_fixed"
 #   keeps only the named runs of those parts
 # CACHE_OFF=1: no compile cache carried in (a cold compile's time measured)
 # ppo needs omegaconf (a wheel in .whl/, installed with --target /tmp/site) and, carried in
@@ -82,6 +82,9 @@ for p in $parts; do case $p in
   gemmprobe) run gemm_forms python3 bench/probes/gemm_forms.py ;;
   swigluprobe) run swiglu_down python3 bench/probes/swiglu_down.py ;;
   smallgemm) run small_gemm python3 bench/probes/small_gemm.py ;;
+  wgradprobe) # issue 27: the weight-gradient products with and without gradient-accumulation
+           # fusion, device and host time (bench/probes/wgrad_accumulation.py)
+           run wgrad_probe python3 bench/probes/wgrad_accumulation.py ;;
   freecache) # what a trainer step's free_cache_engine costs the rollout: the cache allocated
            # and every decode graph the batch passes through captured again each generate
            # (spread lengths: every bucket), against an engine that keeps them

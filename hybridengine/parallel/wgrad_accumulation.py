@@ -52,9 +52,8 @@ def dtype_out_accumulates(device: torch.device, dtype: torch.dtype, out_dtype: t
     return _DTYPE_OUT_WORKS[key]
 
 
-@torch.library.custom_op("hybridengine::accumulate_wgrad", mutates_args=("main_grad",))
-def accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor,
-                     x: torch.Tensor) -> None:
+def _accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor,
+                      x: torch.Tensor) -> None:
     """main_grad[out, in] += grad_output[..., out]^T · x[..., in], the sum over every token."""
     g = grad_output.reshape(-1, grad_output.shape[-1])
     x = x.reshape(-1, x.shape[-1])
@@ -66,9 +65,20 @@ def accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor,
         main_grad.add_(g.t() @ x)
 
 
-@accumulate_wgrad.register_fake
+# Declared with torch.library's low-level API, not torch.library.custom_op: the op runs once per
+# linear layer and micro-batch in the backward, and custom_op's Python layers (its autograd
+# wrapper, argument defaults, pytrees) cost ~4x the host time of a plain kernel registration
+_LIB = torch.library.Library("hybridengine", "FRAGMENT")
+_LIB.define("accumulate_wgrad(Tensor(a!) main_grad, Tensor grad_output, Tensor x) -> ()")
+_LIB.impl("accumulate_wgrad", _accumulate_wgrad, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("hybridengine::accumulate_wgrad", lib=_LIB)
 def _(main_grad, grad_output, x) -> None:
     return None
+
+
+accumulate_wgrad = torch.ops.hybridengine.accumulate_wgrad.default
 
 
 class _LinearAccumulatingWgrad(torch.autograd.Function):
