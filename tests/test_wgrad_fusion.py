@@ -141,7 +141,8 @@ def test_fused_accumulation_matches_unfused_on_cuda(compile_layers, graphs):
     fp32 C in place (the fused GEMM, not the fallback); four train steps at lr 0 give the
     unfused engine's losses and gradients to bf16's rounding (the fused sum is the more exact
     one: no bf16 gradient per micro-batch), with eager layers, compiled layers, and the
-    training CUDA graphs capturing the fused backward."""
+    training CUDA graphs capturing the fused backward. The direct call goes through the op's
+    Python kernel, the engines' through its C++ one (the first engine registers it)."""
     assert dtype_out_accumulates(torch.device("cuda"), torch.bfloat16, torch.float32)
     x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(300, 32, device="cuda", dtype=torch.bfloat16)
@@ -159,6 +160,9 @@ def test_fused_accumulation_matches_unfused_on_cuda(compile_layers, graphs):
     plain_hist, plain_grads = train_steps(engine(False))
     fused = engine(True)
     assert fused.wgrad_fused == 4 * fused.cfg.num_layers
+    # the engine registered the op's C++ CUDA kernel (csrc/wgrad_accumulation.cpp)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("hybridengine::accumulate_wgrad",
+                                                          "CUDA")
     assert (fused.graphs is not None) == graphs
     hist, grads = train_steps(fused)
     torch.testing.assert_close(hist, plain_hist, rtol=1e-2, atol=1e-3)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from hybridengine.kernels.wgrad import load_wgrad_kernel
 from hybridengine.models.attention import PackedInput
 from hybridengine.models.decoder import Decoder, ModelConfig
 from hybridengine.models.hf import is_tp_replicated, load_decoder, save_hf
@@ -136,6 +137,8 @@ class TrainEngine:
         # layers' weight gradients go into the optimizer's fp32 buckets from their GEMM
         self.wgrad_fused = fuse_wgrad_accumulation(self.model) \
             if wgrad_fusion and self.optimizer is not None else 0
+        if self.wgrad_fused and self.device.type == "cuda":
+            load_wgrad_kernel(dtype)    # the op's C++ CUDA kernel (kernels.wgrad)
         # train.cuda_graphs: the training micro-batches' decoder body replayed from graphs
         # (offload: the PARTS the trainer parks between phases; weights or gradients that move
         # every step would have the graphs captured again every step)
