@@ -32,7 +32,8 @@ def load_wgrad_kernel(dtype: torch.dtype) -> bool:
             return False
         from torch.utils.cpp_extension import load
         try:
-            load(name="hybridengine_wgrad", sources=[os.path.join(CSRC, "wgrad_accumulation.cpp")],
+            load(name="hybridengine_wgrad",
+                 sources=[os.path.join(CSRC, "wgrad_accumulation.cpp")],
                  extra_cflags=["-O3"], is_python_module=False,
                  verbose=os.environ.get("HYBRIDENGINE_VERBOSE_BUILD") == "1")
             _LOADED = True

@@ -15,8 +15,9 @@ input and bias gradients as F.linear's would and calls the op
 `hybridengine::accumulate_wgrad(main_grad, grad_output, input)`, declared as mutating main_grad
 (so torch.compile keeps it, in order, with no copy: the compiled layers call it in their
 backward graph). Its kernel here is Python (the CPU's, and CUDA's until an engine that fuses
-registers the C++ one, kernels/wgrad.py: 21 µs of host a call against 31.5). It returns no weight gradient (the weight enters detached where it can), so
-the optimizer's hook adds nothing for it. The GEMM: on CUDA, bf16/fp16 inputs into fp32 through
+registers the C++ one, kernels/wgrad.py: 21 µs of host a call against 31.5). It returns no
+weight gradient (the weight enters detached where it can), so the optimizer's hook adds nothing
+for it. The GEMM: on CUDA, bf16/fp16 inputs into fp32 through
 `aten::addmm.dtype_out` (cuBLAS with an fp32 C); where the inputs already have main_grad's
 dtype (fp32 / fp64 weights, the CPU's tests) a plain in-place addmm; elsewhere (bf16 on the CPU,
 or a torch whose addmm.dtype_out refuses an fp32 C) the product in the inputs' dtype added into
@@ -38,7 +39,8 @@ from torch.nn import functional as F
 _DTYPE_OUT_WORKS: dict[tuple, bool] = {}
 
 
-def dtype_out_accumulates(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+def dtype_out_accumulates(device: torch.device, dtype: torch.dtype,
+                          out_dtype: torch.dtype) -> bool:
     """Whether this torch's addmm.dtype_out takes a C of `out_dtype` with `dtype` inputs on
     `device` and accumulates into it in place (older CUDA builds require C in the inputs'
     dtype). Probed once, on 2x2 matrices, and never while a CUDA graph is being captured (the

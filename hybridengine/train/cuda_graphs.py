@@ -198,8 +198,8 @@ class BodyGraphs:
         """Warm the body up on this micro-batch (lazy initialisation, compilation for the new
         shape: nothing of it may happen inside a capture; torch.autograd.grad, so no gradient
         reaches the optimizer's buckets but the fused linears' zeros: parallel.wgrad_accumulation),
-        then capture its forward and its backward (the
-        accumulation hooks add into the buckets: captured, not run)."""
+        then capture its forward and its backward (the accumulation hooks add into the buckets:
+        captured, not run)."""
         c = _Captured(bucket, self.device)
         fill_static(c.ids, c.pos, c.cu, packed, bucket, self._step_ids(bucket))
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -4,7 +4,9 @@ schedule is in lr_schedule.py.
 Gradients
     Every trainable parameter gets `p.main_grad`, a view into a flat fp32 bucket buffer. A
     post-accumulate-grad hook adds `p.grad` into it and frees `p.grad`, so gradients accumulate in
-    fp32 across micro-batches and bf16 gradients never pile up. Gradient syncs other than DP and
+    fp32 across micro-batches and bf16 gradients never pile up. (With gradient-accumulation fusion the
+    linear layers' backward adds their weights' gradients into `main_grad` itself:
+    parallel.wgrad_accumulation; the hook then has nothing to add.) Gradient syncs other than DP and
     sequence parallelism (the tied embedding across first and last pipeline stage) must act on
     `p.main_grad`, after the last backward and before `finish_grad_sync`. (tensor.py's
     `sync_sequence_parallel_grads` reads `p.grad`: with this optimizer pass `tp_group` instead.)
