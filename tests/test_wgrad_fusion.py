@@ -1,6 +1,6 @@
 """Gradient-accumulation fusion (parallel/wgrad_accumulation.py, Megatron's
 gradient_accumulation_fusion): the fused linear's outputs and gradients against F.linear's
-(float64, eager and compiled, micro-batches in 1F1B order), the engine's train steps with it
+(float64, eager and compiled: aot_eager and inductor, micro-batches in 1F1B order), the engine's train steps with it
 against without it, the config keys; on a GPU, bf16 weights into fp32 buckets through cuBLAS
 against the unfused engine (eager layers, compiled layers, CUDA graphs)."""
 import pytest
@@ -30,7 +30,7 @@ class _Block(torch.nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
 def test_fused_linear_gives_f_linear_outputs_and_gradients(backend, one_thread):
     """Three micro-batches, all forwards before any backward (1F1B's order: the buckets change
     between a forward and its backward), weights' main_grad views of one flat buffer: outputs,
