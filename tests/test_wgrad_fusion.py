@@ -1,8 +1,8 @@
 """Gradient-accumulation fusion (parallel/wgrad_accumulation.py, Megatron's
 gradient_accumulation_fusion): the fused linear's outputs and gradients against F.linear's
-(float64, eager and compiled: aot_eager and inductor, micro-batches in 1F1B order), the engine's train steps with it
-against without it, the config keys; on a GPU, bf16 weights into fp32 buckets through cuBLAS
-against the unfused engine (eager layers, compiled layers, CUDA graphs)."""
+(float64; eager, aot_eager and inductor; micro-batches in 1F1B order), the engine's train steps
+with it against without it, the config keys; on a GPU, bf16 weights into fp32 buckets through
+cuBLAS against the unfused engine (eager layers, compiled layers, CUDA graphs)."""
 import pytest
 import torch
 from torch.nn import functional as F
