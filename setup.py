@@ -24,8 +24,9 @@ setup(
         # gguf: tools/models/gguf_to_hf.py and tests/test_gguf.py (tested with 0.17.1, 0.19.0);
         # accelerate: transformers needs it to load a GGUF model (the test's reference)
         # peft: the LoRA checkpoints' reference loader (tests/test_lora.py; tested with 0.21.2)
+        # ninja: torch's C++ extension builder (csrc/wgrad_accumulation.cpp's CPU build test)
         "test": ["pytest>=8", "triton>=3.1; platform_system == 'Linux'", "gguf>=0.17,<0.20",
-                 "accelerate>=1.0", "peft>=0.17"],
+                 "accelerate>=1.0", "peft>=0.17", "ninja"],
         # The vLLM rollout backend (actor_rollout_ref.rollout.name=vllm), at the version it is
         # tested with. GPU: pip install -e .[vllm]
         "vllm": ["vllm==0.32.0"],

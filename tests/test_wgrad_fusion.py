@@ -1,8 +1,14 @@
 """Gradient-accumulation fusion (parallel/wgrad_accumulation.py, Megatron's
 gradient_accumulation_fusion): the fused linear's outputs and gradients against F.linear's
 (float64; eager, aot_eager and inductor; micro-batches in 1F1B order), the engine's train steps
-with it against without it, the config keys; on a GPU, bf16 weights into fp32 buckets through
-cuBLAS against the unfused engine (eager layers, compiled layers, CUDA graphs)."""
+with it against without it, the config keys, the C++ kernel's CPU build; on a GPU, bf16 weights
+into fp32 buckets through cuBLAS against the unfused engine (eager layers, compiled layers,
+CUDA graphs)."""
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -169,3 +175,38 @@ def test_fused_accumulation_matches_unfused_on_cuda(compile_layers, graphs):
     assert_grads_close(grads, plain_grads, 2e-2)
     fused.optimizer.zero_grad()
     assert all(p.grad is None for p in fused.model.parameters())
+
+
+_CPP_CHECK = r"""
+import sys, torch
+from torch.utils.cpp_extension import load
+import hybridengine.parallel.wgrad_accumulation as W
+load(name="hybridengine_wgrad_cpu_check", sources=[sys.argv[1]], is_python_module=False,
+     extra_cflags=["-O1", "-DHYBRIDENGINE_WGRAD_KEY=CPU"], build_directory=sys.argv[2])
+assert torch._C._dispatch_has_kernel_for_dispatch_key("hybridengine::accumulate_wgrad", "CPU")
+g = torch.randn(3, 5, 8, dtype=torch.float64)
+x = torch.randn(3, 5, 6, dtype=torch.float64)
+main_grad = torch.ones(8, 6, dtype=torch.float64)
+W.accumulate_wgrad(main_grad, g, x)
+torch.testing.assert_close(main_grad, 1 + g.reshape(-1, 8).t() @ x.reshape(-1, 6))
+try:
+    W.accumulate_wgrad(torch.zeros(7, 6, dtype=torch.float64), g, x)
+except RuntimeError as e:
+    assert "main_grad [7, 6]" in str(e), e
+else:
+    raise AssertionError("a wrong main_grad shape was accepted")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="no C++ compiler")
+def test_cpp_kernel_builds_and_sums_as_the_python_one(tmp_path):
+    """csrc/wgrad_accumulation.cpp, built for the CPU key in a process of its own (the CUDA
+    build is the GPU test's): it compiles, registers for the op, gives the Python kernel's sum
+    and refuses a main_grad of the wrong shape with a line that names it."""
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
+                          "wgrad_accumulation.cpp")
+    proc = subprocess.run([sys.executable, "-c", _CPP_CHECK, source, str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
