@@ -64,6 +64,12 @@ def test_start_and_header():
     lines = header_lines(facts)
     assert lines[0] == "run        p/e" and lines[-1] == "start      fresh"
     assert len(lines) == 8
+    fused = header_lines(RunFacts(**{**facts.__dict__, "fusion": "f"}))
+    assert fused[3] == "fusion     f" and len(fused) == 9
+    from types import SimpleNamespace
+    from hybridengine.rl.console import _fused
+    assert _fused(SimpleNamespace(wgrad_fused=20)) == "(20 linear layers)"
+    assert "frozen" in _fused(SimpleNamespace(wgrad_fused=0))      # a LoRA role: nothing fused
 
 
 def _launch(args, nproc=1):

@@ -142,6 +142,13 @@ def _model(path: str, engine) -> str:
             f"{str(dtype).removeprefix('torch.')} on {engine.device.type}")
 
 
+def _fused(engine) -> str:
+    """How many of a role's linear layers the gradient-accumulation fusion serves."""
+    if engine.wgrad_fused:
+        return f"({engine.wgrad_fused} linear layers)"
+    return "(none: its linear layers' weights are frozen, LoRA)"
+
+
 def _layout(role) -> str:
     sp = "+sp" if role.sequence_parallel else ""       # sequence parallelism inside the TP group
     cp = f" cp={role.cp} ({role.cp_attention})" if role.cp > 1 else ""
@@ -161,6 +168,7 @@ class RunFacts:
     output: str
     start: str                     # fresh / resumed from global_step_N / already complete
     critic_model: str | None = None  # when the critic loads another model than the actor
+    fusion: str | None = None      # gradient-accumulation fusion, where a role asks for it
 
     @classmethod
     def of(cls, trainer, start_step: int) -> RunFacts:
@@ -180,7 +188,13 @@ class RunFacts:
         val = f", {len(trainer.val_ds)} val prompts" if trainer.val_ds is not None else ", no val"
         every = [f"validation every {t.test_freq}" if t.test_freq > 0 else "",
                  f"checkpoint every {t.save_freq}" if t.save_freq > 0 else ""]
+        asked = [("actor", trainer.actor.engine, arr.actor.megatron)]
+        asked += [("critic", critic.engine, cfg.critic.megatron)] if critic is not None else []
+        fused = [f"{name} {_fused(engine)}" for name, engine, meg in asked
+                 if meg.gradient_accumulation_fusion]
         return cls(
+            fusion=("weight gradients into the fp32 buckets by their GEMMs: " + ", ".join(fused))
+            if fused else None,
             name=f"{t.project_name}/{t.experiment_name}",
             model=_model(arr.model.path, trainer.actor.engine),
             critic_model=_model(cfg.critic.model.path, critic.engine)
@@ -215,6 +229,7 @@ def header_lines(facts: RunFacts) -> list[str]:
     """`key  value` rows, the keys in one column (the config layers in force are launch/ppo.py's
     line before it)."""
     rows = [("run", facts.name), ("model", facts.model), ("critic", facts.critic_model),
-            ("layout", facts.layout), ("algorithm", facts.algorithm), ("data", facts.data),
+            ("layout", facts.layout), ("fusion", facts.fusion), ("algorithm", facts.algorithm),
+            ("data", facts.data),
             ("steps", facts.steps), ("output", facts.output), ("start", facts.start)]
     return [f"{k:<10} {v}" for k, v in rows if v is not None]
