@@ -20,15 +20,15 @@ _LOADED: bool | None = None
 def load_wgrad_kernel(dtype: torch.dtype) -> bool:
     """Register the C++ CUDA kernel (once per process; the build cached by torch under
     TORCH_EXTENSIONS_DIR). Only where this torch's addmm.dtype_out accumulates `dtype`
-    products into an fp32 C (the kernel relies on it), and not with
-    HYBRIDENGINE_NO_CUDA_KERNELS=1. Returns whether the C++ kernel serves the op now."""
+    products into an fp32 C (the kernel relies on it; probed here, at set-up, for the Python
+    kernel too), and not with HYBRIDENGINE_NO_CUDA_KERNELS=1. Returns whether the C++ kernel
+    serves the op now."""
     global _LOADED
+    device = torch.device("cuda", torch.cuda.current_device())
+    fused_gemm = dtype == torch.float32 or dtype_out_accumulates(device, dtype, torch.float32)
     if _LOADED is None:
         _LOADED = False
-        device = torch.device("cuda", torch.cuda.current_device())
-        if os.environ.get("HYBRIDENGINE_NO_CUDA_KERNELS") == "1" or (
-                dtype != torch.float32 and not dtype_out_accumulates(device, dtype,
-                                                                     torch.float32)):
+        if os.environ.get("HYBRIDENGINE_NO_CUDA_KERNELS") == "1" or not fused_gemm:
             return False
         from torch.utils.cpp_extension import load
         try:

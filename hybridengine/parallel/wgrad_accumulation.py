@@ -129,8 +129,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
     """Turn the fusion on in every tensor-parallel linear layer of `model` (the layers with a
     `fuse_wgrad` switch: parallel.tensor) whose weight trains; call it once the optimizer has
-    given the weights their main_grad. Probes the fused GEMM for the weights' dtype now, outside
-    any CUDA graph capture. Returns the number of layers fused."""
+    given the weights their main_grad. Returns the number of layers fused. (The training engine
+    then probes the fused GEMM, outside any CUDA graph capture: kernels.wgrad.)"""
     fused = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -138,6 +138,4 @@ def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
                 and getattr(weight, "main_grad", None) is not None:
             module.fuse_wgrad = True
             fused += 1
-            if weight.is_cuda and weight.dtype != weight.main_grad.dtype:
-                dtype_out_accumulates(weight.device, weight.dtype, weight.main_grad.dtype)
     return fused
