@@ -78,12 +78,14 @@ from profiling import GcPauses, host_diagnosis, profile_ranges  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_actor",
-        "perf/mfu/update_critic", "perf/mfu/old_log_prob", "perf/mfu/ref", "perf/mfu/values",
+        "perf/mfu/update_critic", "perf/mfu/update_critic_actor", "perf/mfu/old_log_prob",
+        "perf/mfu/ref", "perf/mfu/values",
         "perf/gen_tokens_per_s", "perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb",
         "perf/total_num_tokens",
         "timing_s/step", "timing_s/gen", "timing_s/reshard", "timing_s/reward",
         "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
-        "timing_s/update_critic", "timing_s/update_actor", "timing_s/offload", "timing_s/compile",
+        "timing_s/update_critic", "timing_s/update_actor", "timing_s/update_critic_actor",
+        "timing_s/offload", "timing_s/compile",
         "reshard/bytes_per_rank", "rollout/num_slots", "rollout/max_concurrent",
         "response_length/mean", "prompt_length/mean",
         # per step: a drift here is memory that one step leaves to the next
@@ -211,7 +213,7 @@ def tiny_overrides(args, out: Path) -> list[str]:
 
 
 PHASES = ["rollout", "prefill", "decode", "reshard", "old_log_prob", "ref", "values", "adv",
-          "update_critic", "update_actor"]
+          "update_critic", "update_actor", "update_critic_actor"]
 
 
 def extra_overrides(args) -> list[str]:

@@ -292,6 +292,7 @@ class TrainerConfig:
     host_memory_gb: float | None
     nan_policy: str
     critic_warmup: int
+    interleave_updates: bool
     hybrid_engine: HybridEngineSection
 
 

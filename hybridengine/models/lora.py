@@ -41,6 +41,14 @@ class LoRAConfig:
     save_merged: bool = True        # checkpoints: also W + s·B·A as a full HF dir, merged/
     adapter_path: str | None = None     # start from this PEFT adapter (load_peft_adapter)
 
+    @classmethod
+    def of_model(cls, model) -> LoRAConfig | None:
+        """A role's adapters from its model section (verl's keys), None without (lora_rank 0)."""
+        if model.lora_rank <= 0:
+            return None
+        return cls(model.lora_rank, model.lora_alpha, tuple(model.target_modules),
+                   model.lora_save_merged, model.lora_adapter_path)
+
 
 def resolve_targets(target_modules) -> tuple[str, ...]:
     """verl's target_modules: "all-linear" or a list of HF module names."""

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from hybridengine.parallel.interleave import run_to_end
+
 
 class StageComm:
     """Activation transfers between neighbouring pipeline stages of one (dp, tp) coordinate."""
@@ -73,13 +75,9 @@ def train_1f1b(forward_step: Callable, num_microbatches: int, activation_shape: 
     micro-batch. Cool-down: the remaining backwards. At most P - s activations are alive on stage s.
     Returns the outputs of forward_step (the losses on the last stage).
     """
-    if comm is None or comm.mesh.pp == 1:       # no pipeline: forward, backward, next
-        outs = []
-        for i in range(num_microbatches):
-            loss = forward_step(i, None)
-            _backward(loss, None, None)
-            outs.append(loss.detach())
-        return outs
+    if comm is None or comm.mesh.pp == 1:
+        return run_to_end(train_1f1b_steps(forward_step, num_microbatches, activation_shape,
+                                           comm))
     p, s = comm.mesh.pp, comm.mesh.pp_rank
     first, last = comm.prev is None, comm.next is None
     num_warmup = min(p - s - 1, num_microbatches)
@@ -119,6 +117,25 @@ def train_1f1b(forward_step: Callable, num_microbatches: int, activation_shape: 
         g_in = _backward(outputs.pop(0), grad, inputs.pop(0))
         comm.exchange(send_prev=g_in)
     return results
+
+
+def train_1f1b_steps(forward_step: Callable, num_microbatches: int,
+                     activation_shape: Callable, comm: StageComm | None):
+    """train_1f1b as a unit of parallel.interleave (a generator returning its outputs): without
+    a pipeline it yields after each micro-batch's backward is queued (forward, backward, next),
+    where another engine's micro-batch may be queued; a pipeline's schedule runs whole, then
+    yields once (its transfers pair stages micro-batch by micro-batch)."""
+    if comm is not None and comm.mesh.pp > 1:
+        outs = train_1f1b(forward_step, num_microbatches, activation_shape, comm)
+        yield
+        return outs
+    outs = []
+    for i in range(num_microbatches):
+        loss = forward_step(i, None)
+        _backward(loss, None, None)
+        outs.append(loss.detach())
+        yield
+    return outs
 
 
 def forward_only(forward_step: Callable, num_microbatches: int, activation_shape: Callable,

@@ -169,6 +169,7 @@ class RunFacts:
     start: str                     # fresh / resumed from global_step_N / already complete
     critic_model: str | None = None  # when the critic loads another model than the actor
     fusion: str | None = None      # gradient-accumulation fusion, where a role asks for it
+    updates: str | None = None     # the critic's and actor's updates, where asked interleaved
 
     @classmethod
     def of(cls, trainer, start_step: int) -> RunFacts:
@@ -192,7 +193,11 @@ class RunFacts:
         asked += [("critic", critic.engine, cfg.critic.megatron)] if critic is not None else []
         fused = [f"{name} {_fused(engine)}" for name, engine, meg in asked
                  if meg.gradient_accumulation_fusion]
+        why_not = trainer.not_interleaved
         return cls(
+            updates=None if not t.interleave_updates else
+            "critic and actor interleaved, a micro-batch of each in turn" if why_not is None
+            else f"one after the other (not interleaved: {why_not})",
             fusion=("weight gradients into the fp32 buckets by their GEMMs: " + ", ".join(fused))
             if fused else None,
             name=f"{t.project_name}/{t.experiment_name}",
@@ -229,7 +234,8 @@ def header_lines(facts: RunFacts) -> list[str]:
     """`key  value` rows, the keys in one column (the config layers in force are launch/ppo.py's
     line before it)."""
     rows = [("run", facts.name), ("model", facts.model), ("critic", facts.critic_model),
-            ("layout", facts.layout), ("fusion", facts.fusion), ("algorithm", facts.algorithm),
+            ("layout", facts.layout), ("fusion", facts.fusion), ("updates", facts.updates),
+            ("algorithm", facts.algorithm),
             ("data", facts.data),
             ("steps", facts.steps), ("output", facts.output), ("start", facts.start)]
     return [f"{k:<10} {v}" for k, v in rows if v is not None]

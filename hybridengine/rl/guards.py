@@ -140,6 +140,23 @@ def count_skipped_updates(metrics: dict[str, float], role: str, num_updates: int
     return skipped
 
 
+def skipped_updates(metrics: dict[str, float], roles: dict, num_sequences: int, n: int,
+                    policy: str, step: int, rank: int) -> int:
+    """trainer.nan_policy on a step's updates: raises (abort) or counts (skip). roles: name ->
+    its rl.roles role (None: absent); n: responses per prompt."""
+    total = 0
+    for name, role in roles.items():
+        if role is None:
+            continue
+        mini = role.cfg.ppo_mini_batch_size * n      # sequences per optimizer update
+        num_updates = math.ceil(num_sequences / mini) * role.cfg.ppo_epochs
+        total += count_skipped_updates(metrics, name, num_updates, policy, step)
+    if total and rank == 0:
+        print(f"warning: step {step}: dropped {total} non-finite update(s) "
+              f"(trainer.nan_policy=skip)", flush=True)
+    return total
+
+
 def inject_faults(step: int, rank: int, world_size: int) -> None:
     """Fault injection for the resume and timeout tests, read from the environment.
 

@@ -34,6 +34,7 @@ PHASE_USES: dict[str, dict[str, tuple[str, ...]]] = {
     "values": {"critic": ("params",)},
     "update_critic": {"critic": PARTS},
     "update_actor": {"actor": PARTS},
+    "update_critic_actor": {"actor": PARTS, "critic": PARTS},     # rl.roles.INTERLEAVED
     "save": {"actor": ("params", "optimizer"), "critic": ("params", "optimizer")},
     "resume": {"actor": ("params", "optimizer"), "critic": ("params", "optimizer")},
 }

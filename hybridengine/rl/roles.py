@@ -13,6 +13,7 @@ import torch
 
 from hybridengine.config.run import ActorConfig, ActorRolloutRefConfig, CriticConfig, \
     MegatronSection, OptimSection, RefConfig
+from hybridengine.parallel.interleave import run_to_end
 from hybridengine.parallel.lora import adapters_disabled
 from hybridengine.parallel.pipeline import broadcast_from_last_stage
 from hybridengine.train.engine import OptimConfig, TrainEngine
@@ -94,9 +95,10 @@ class Role:
             for s in range(0, n, mini_size):
                 yield order[s:s + mini_size]
 
-    def _update(self, batch: Batch, mini_size, epochs, shuffle, seed, micro, fields,
-                loss_builder, own_first: bool = False):
-        """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics.
+    def _updating(self, batch: Batch, mini_size, epochs, shuffle, seed, micro, fields,
+                  loss_builder, own_first: bool = False):
+        """Mini-batch loop: one optimizer step per mini-batch; returns averaged metrics. A unit
+        of parallel.interleave (yields between micro-batches: TrainEngine.train_steps).
         loss_builder(info, scale, own) makes a mini-batch's loss; own is True for the first
         mini-batch of the first epoch when own_first: the weights have not moved yet, so its
         forward is pi_old, and its log-probs (detached, before the step) fill those rows of
@@ -125,8 +127,8 @@ class Role:
             pack_after = own and k + 1 < len(minis) and not set(minis[k + 1]).isdisjoint(idx)
             pack_next = (lambda i=k + 1: ready.append(packed(minis[i]))) \
                 if k + 1 < len(minis) and not pack_after else None
-            all_metrics.append(self.engine.train_step(mbs, loss_fn, before_step=pack_next,
-                                                      metrics_on_device=True))
+            all_metrics.append((yield from self.engine.train_steps(
+                mbs, loss_fn, before_step=pack_next, metrics_on_device=True)))
             if own:
                 kept = broadcast_from_last_stage(kept, [mb.num_tokens for mb in mbs], self.mesh,
                                                  device=self.engine.device)
@@ -156,11 +158,15 @@ class Actor(Role):
                                        a.ppo_epochs, a.shuffle, seed))
 
     def update(self, batch: Batch, n: int, seed: int, old_from_update: bool = False) -> dict:
-        """One PPO update. old_from_update: the first mini-batch (first_mini_batch's rows) takes
-        pi_old from its own forward, detached (the ratio is 1, as verl's dp_actor does
-        on-policy, where that mini-batch is the whole batch), and fills those rows of
-        batch.tensors["old_logprob"], which the caller left unscored, zeros (Trainer._score; the
-        metrics that compare pi_old with the rollout's log-probs read them after the update)."""
+        return run_to_end(self.updating(batch, n, seed, old_from_update))
+
+    def updating(self, batch: Batch, n: int, seed: int, old_from_update: bool = False):
+        """One PPO update, a unit of parallel.interleave (returns the metrics).
+        old_from_update: the first mini-batch (first_mini_batch's rows) takes pi_old from its
+        own forward, detached (the ratio is 1, as verl's dp_actor does on-policy, where that
+        mini-batch is the whole batch), and fills those rows of batch.tensors["old_logprob"],
+        which the caller left unscored, zeros (Trainer._score; the metrics that compare pi_old
+        with the rollout's log-probs read them after the update)."""
         a = self.cfg
         fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ()) \
             + (("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
@@ -168,10 +174,10 @@ class Actor(Role):
         # clip_cov's random token subset: seeded by the step, drawn in the same order on every
         # TP rank of a replica (the same micro-batches, the same log-probs)
         generator = torch.Generator().manual_seed(seed)
-        m = self._update(batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro,
-                         fields,
-                         lambda info, scale, own: self._loss(info, scale, generator, own),
-                         own_first=old_from_update)
+        m = yield from self._updating(
+            batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro, fields,
+            lambda info, scale, own: self._loss(info, scale, generator, own),
+            own_first=old_from_update)
         return {f"actor/{k}": v for k, v in m.items()}
 
     def _loss(self, info: GlobalBatchInfo, scale: int, generator: torch.Generator,
@@ -206,11 +212,15 @@ class Critic(Role):
         self.cfg, self.loss_agg_mode = cfg, loss_agg_mode
 
     def update(self, batch: Batch, n: int, seed: int) -> dict:
+        return run_to_end(self.updating(batch, n, seed))
+
+    def updating(self, batch: Batch, n: int, seed: int):
+        """One value update, a unit of parallel.interleave (returns the metrics)."""
         c = self.cfg
         micro = (c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz)
-        m = self._update(batch, c.ppo_mini_batch_size * n, c.ppo_epochs, c.shuffle, seed, micro,
-                         ("values", "returns"),
-                         lambda info, scale, _own: self._loss(info, scale))
+        m = yield from self._updating(
+            batch, c.ppo_mini_batch_size * n, c.ppo_epochs, c.shuffle, seed, micro,
+            ("values", "returns"), lambda info, scale, _own: self._loss(info, scale))
         return {f"critic/{k}": v for k, v in m.items()}
 
     def _loss(self, info: GlobalBatchInfo, scale: int):
@@ -238,6 +248,24 @@ class Reference(Role):
             return super().score(batch, key)
         with adapters_disabled(self.engine.model):
             return super().score(batch, key)
+
+
+INTERLEAVED = "update_critic_actor"     # the trainer's phase of the two updates interleaved
+
+
+def interleave_off(actor: Actor, critic: Critic | None) -> str | None:
+    """Why the critic's and actor's updates cannot run interleaved (parallel.interleave), None
+    where they can: both roles' parts stay on the device through both updates, and no capture
+    of training CUDA graphs (in a role's step, before its first forward) falls between the
+    other role's micro-batches."""
+    if critic is None:
+        return "no critic"
+    for name, engine in (("actor", actor.engine), ("critic", critic.engine)):
+        if engine.offload:
+            return f"the {name} offloads its {', '.join(engine.offload)} between phases"
+        if engine.graphs is not None:
+            return f"the {name} trains in CUDA graphs"
+    return None
 
 
 def _keeping_logprobs(loss_fn, kept: list):

@@ -4,13 +4,12 @@
     2. reward: rule / custom function on decoded text (DAPO: overlong penalty, dynamic sampling)
     3. old log-probs (actor), reference log-probs, values (critic): forward-only, packed
     4. advantages: GAE or group-relative; KL in the reward (controller) or in the loss
-    5. update: critic then actor, mini-batches × epochs
+    5. update: critic then actor, mini-batches × epochs (or the two interleaved)
     6. metrics with verl's names; validation every test_freq; checkpoint every save_freq
 """
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,13 +29,15 @@ from hybridengine.rl.console import RunFacts, header_lines
 from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, load_tokenizer
 from hybridengine.hybrid.generator import Generator
 from hybridengine.rl.checkpointing import RunCheckpoints
-from hybridengine.rl.guards import Phases, count_skipped_updates, inject_faults
+from hybridengine.rl.guards import Phases, inject_faults, skipped_updates
 from hybridengine.models.lora import LoRAConfig
 from hybridengine.rl.metrics import batch_metrics, perf_metrics, step_flops
 from hybridengine.rl.residency import Residency, offload_parts
 from hybridengine.rl.rewards import build_reward
 from hybridengine.rl.flops import peak_flops
-from hybridengine.rl.roles import Actor, Critic, Reference, optim_config
+from hybridengine.parallel.interleave import round_robin
+from hybridengine.rl.roles import INTERLEAVED, Actor, Critic, Reference, interleave_off, \
+    optim_config
 from hybridengine.rl.rollout import RolloutCollector
 from hybridengine.rl.run_dir import claim_run_dir
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
@@ -89,6 +90,8 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps or len(self.sampler)
         with self.phases.enter("setup"):
             self._build_roles()
+        self.not_interleaved = interleave_off(self.actor, self.critic)    # why not, if asked
+        self.interleaved = t.interleave_updates and self.not_interleaved is None
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.rollout_correction = RolloutCorrectionConfig.from_config(
             cfg.algorithm.rollout_correction)
@@ -120,7 +123,7 @@ class Trainer:
         # verl scores old / ref / current log-probs (and the entropy) at the rollout temperature,
         # so the ratio and the KL are those of the policy that sampled
         temperature = scoring_temperature(arr.rollout)
-        lora = _lora_config(arr.model)
+        lora = LoRAConfig.of_model(arr.model)
         actor_engine = TrainEngine(
             arr.model.path, meshes.actor, dtype=dtype, device=self.device,
             sequence_parallel=lay.actor.sequence_parallel, compile_layers=compile_lm,
@@ -147,7 +150,8 @@ class Trainer:
                 compile_layers=bool(c.use_torch_compile), offload=offload_parts(c.megatron, True),
                 recompute=bool(c.model.enable_gradient_checkpointing),
                 dtype=param_dtype(c.megatron.param_dtype, self.device), device=self.device,
-                sequence_parallel=lay.critic.sequence_parallel, lora=_lora_config(c.model),
+                sequence_parallel=lay.critic.sequence_parallel,
+                lora=LoRAConfig.of_model(c.model),
                 optim=optim_config(c.optim, c.megatron, c.grad_clip, self.total_steps),
                 wgrad_fusion=bool(c.megatron.gradient_accumulation_fusion))
             self.critic = Critic(critic_engine, c, arr.actor.loss_agg_mode)
@@ -194,15 +198,23 @@ class Trainer:
                     # pi_old / pi_rollout importance weights on the whole batch (verl: same phase)
                     kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out = {}
-            if self.critic is not None:
+            if self.interleaved and update_actor:    # critic first in each turn, as verl's order
+                with phase(INTERLEAVED, timings, sync):
+                    for m in round_robin([self.critic.updating(batch, self._n, step),
+                                          self.actor.updating(batch, self._n, step,
+                                                              old_from_update)]):
+                        out.update(m)
+            elif self.critic is not None:
                 with phase("update_critic", timings, sync):
                     out.update(self.critic.update(batch, self._n, step))
-            if update_actor:
+            if update_actor and not self.interleaved:
                 with phase("update_actor", timings, sync):
                     out.update(self.actor.update(batch, self._n, step, old_from_update))
             if old_from_update:     # metrics only: pi_old came with the update's forward
                 kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
-            out["training/nan_skipped_updates"] = self._skipped_updates(out, len(batch), step)
+            out["training/nan_skipped_updates"] = skipped_updates(
+                out, {"critic": self.critic, "actor": self.actor}, len(batch), self._n,
+                self.cfg.trainer.nan_policy, step, self.rank)
             self._finish_schedules(update_actor)
         out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics(),
                    **self.residency.pop_metrics())
@@ -264,21 +276,6 @@ class Trainer:
                 batch.tensors["values"] = self.critic.score(batch, "values")
         return rest
 
-    def _skipped_updates(self, metrics: dict, num_sequences: int, step: int) -> int:
-        """trainer.nan_policy on this step's updates: raises (abort) or counts (skip)."""
-        total = 0
-        for name, role in (("critic", self.critic), ("actor", self.actor)):
-            if role is None:
-                continue
-            mini = role.cfg.ppo_mini_batch_size * self._n     # sequences per optimizer update
-            num_updates = math.ceil(num_sequences / mini) * role.cfg.ppo_epochs
-            total += count_skipped_updates(metrics, name, num_updates,
-                                           self.cfg.trainer.nan_policy, step)
-        if total and self.rank == 0:
-            print(f"warning: step {step}: dropped {total} non-finite update(s) "
-                  f"(trainer.nan_policy=skip)", flush=True)
-        return total
-
     def _advantages(self, batch: Batch) -> dict:
         alg, t = self.cfg.algorithm, batch.tensors
         mask = batch.response_mask
@@ -308,6 +305,8 @@ class Trainer:
             self.actor.engine.cfg, [seqlens[i] for i in rows], self.cfg, self.ref is not None,
             self.critic is not None, sum(resp[i] for i in rows))
         flops = of(range(len(batch)))
+        if INTERLEAVED in timings:
+            flops[INTERLEAVED] = flops.pop("update_critic") + flops.pop("update_actor")
         if 0 < len(old_scored) < len(batch):       # the update's forward gave the rest
             flops["old_log_prob"] = of(old_scored)["old_log_prob"]
         flops = {p: f for p, f in flops.items() if p in timings}     # the phases that ran
@@ -390,11 +389,3 @@ class Trainer:
                   f"{self.total_steps}: the data gives {len(s)} batches ({s.num_samples} prompts "
                   f"// data.gen_batch_size={s.batch_size} = {s.num_batches_per_epoch} per epoch "
                   f"x trainer.total_epochs={s.total_epochs})", flush=True)
-
-
-def _lora_config(model) -> LoRAConfig | None:
-    """A role's adapters from its model section (verl's keys), None without (lora_rank 0)."""
-    if model.lora_rank <= 0:
-        return None
-    return LoRAConfig(model.lora_rank, model.lora_alpha, tuple(model.target_modules),
-                      model.lora_save_merged, model.lora_adapter_path)

@@ -39,8 +39,9 @@ from hybridengine.train.context_split import CPView, split_for_cp
 from hybridengine.train.cuda_graphs import BodyGraphs, unsupported as graphs_unsupported
 from hybridengine.train.offload import HostParking
 from hybridengine.train.optimizer import DistributedOptimizer, LRSchedule
+from hybridengine.parallel.interleave import run_to_end
 from hybridengine.parallel.pipeline import StageComm, broadcast_from_last_stage, forward_only, \
-    train_1f1b
+    train_1f1b_steps
 from hybridengine.parallel.wgrad_accumulation import fuse_wgrad_accumulation
 
 
@@ -259,7 +260,13 @@ class TrainEngine:
     # --- public -------------------------------------------------------------------------------
     def train_step(self, microbatches: list[MicroBatch], loss_fn, before_step=None,
                    metrics_on_device: bool = False) -> dict:
-        """Forward/backward over all micro-batches (1F1B), gradient sync, one optimizer step.
+        """One optimizer step (train_steps run alone)."""
+        return run_to_end(self.train_steps(microbatches, loss_fn, before_step, metrics_on_device))
+
+    def train_steps(self, microbatches: list[MicroBatch], loss_fn, before_step=None,
+                    metrics_on_device: bool = False):
+        """A unit of parallel.interleave, yielding between micro-batches (train_1f1b_steps).
+        Forward/backward over all micro-batches (1F1B), gradient sync, one optimizer step.
         Returns loss_fn's metrics averaged over micro-batches and DP ranks (on every rank), plus
         grad_norm, lr and whether the update was applied.
 
@@ -295,8 +302,8 @@ class TrainEngine:
             metrics.append({k: v.detach() if isinstance(v, torch.Tensor) else v
                             for k, v in m.items()})
             return loss
-        train_1f1b(forward_step, len(microbatches), self._activation_shape(microbatches, views),
-                   self.comm)
+        yield from train_1f1b_steps(forward_step, len(microbatches),
+                                    self._activation_shape(microbatches, views), self.comm)
         if before_step is not None:
             with record_function("train.before_step"):
                 before_step()

@@ -1,0 +1,139 @@
+"""trainer.interleave_updates: the critic's and the actor's updates queued a micro-batch of each
+in turn (parallel.interleave) train exactly as one after the other, on every layout, and run
+one after the other where a role offloads or trains in CUDA graphs."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_dist
+from hybridengine.config import load_config
+from hybridengine.parallel.interleave import round_robin, run_to_end
+from hybridengine.parallel.mesh import build_meshes
+from hybridengine.rl.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+STORIES = ROOT / "models" / "stories260k"
+
+
+def _unit(name, steps, log):
+    for i in range(steps):
+        log.append((name, i))
+        yield
+    return f"{name} done"
+
+
+def test_round_robin_takes_turns_and_returns_each_result():
+    log = []
+    out = round_robin([_unit("critic", 4, log), _unit("actor", 2, log)])
+    assert out == ["critic done", "actor done"]
+    assert log == [("critic", 0), ("actor", 0), ("critic", 1), ("actor", 1), ("critic", 2),
+                   ("critic", 3)]
+    assert run_to_end(_unit("alone", 3, log)) == "alone done" and log[-1] == ("alone", 2)
+
+
+def _fit(rank, world, out_dir, overrides):
+    """PPO (critic, reference, KL loss, 2 mini-batches an update) on stories260k, 2 steps; the
+    order in which the roles' training micro-batches ran goes to order.json."""
+    from hybridengine.rl.preflight import checked_layout
+    from hybridengine.rl.trainer import Trainer
+    cfg = load_config(["--config", str(ROOT / "configs" / "tiny.yaml"),
+                       f"data.train_files={ROOT / 'data/stories_keywords/train.jsonl'}",
+                       "data.val_files=null", f"actor_rollout_ref.model.path={STORIES}",
+                       "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=2",
+                       "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                       "critic.ppo_mini_batch_size=4", "critic.optim.lr=1e-3",
+                       "data.max_response_length=8", "trainer.total_training_steps=2",
+                       "trainer.val_before_train=False", "trainer.test_freq=-1",
+                       "trainer.save_freq=-1", "trainer.logger=[]",
+                       f"trainer.default_local_dir={out_dir}", *overrides])
+    meshes = build_meshes(checked_layout(cfg, world), cfg.trainer.collective_timeout_s)
+    trainer = Trainer(cfg, meshes)
+    order = []
+    for name, role in (("actor", trainer.actor), ("critic", trainer.critic)):
+        forward = role.engine._stage_outputs
+
+        def recording(*args, name=name, forward=forward):
+            if torch.is_grad_enabled():         # training micro-batches, not the scoring ones
+                order.append(name)
+            return forward(*args)
+        role.engine._stage_outputs = recording
+    trainer.fit()
+    weights = {f"{role}.{n}": p.detach().clone()
+               for role, eng in (("actor", trainer.actor.engine), ("critic", trainer.critic.engine))
+               for n, p in eng.model.named_parameters()}
+    torch.save(weights, Path(out_dir) / f"weights_{rank}.pt")
+    if rank == 0:
+        (Path(out_dir) / "order.json").write_text(json.dumps(order))
+
+
+# The critic tp=2 + SP in micro-batches of 2 sequences; the actor's of 4, so the turns end with
+# the critic's. "dp": the actor tp=1 dp=2 (its gradients reduced across the ranks in turn with
+# the critic's TP collectives); "pp": the actor's 2 stages (a 1F1B schedule runs whole: a turn
+# is an optimizer step).
+_A = "actor_rollout_ref.actor."
+LAYOUTS = {
+    "dp": [_A + "megatron.tensor_model_parallel_size=1"],
+    "pp": [_A + "megatron.tensor_model_parallel_size=1",
+           _A + "megatron.pipeline_model_parallel_size=2",
+           "critic.megatron.pipeline_model_parallel_size=1"]}
+COMMON = ["critic.megatron.tensor_model_parallel_size=2", _A + "ppo_micro_batch_size_per_gpu=4",
+          "critic.ppo_micro_batch_size_per_gpu=2"]
+
+
+def _fit_both(rank, world, tmp, layout):
+    overrides = COMMON + LAYOUTS[layout]
+    _fit(rank, world, f"{tmp}/sequential", overrides)
+    _fit(rank, world, f"{tmp}/interleaved", overrides + ["trainer.interleave_updates=true"])
+
+
+def _training_metrics(path):
+    return [{k: v for k, v in r.items()
+             if not k.startswith(("timing_s/", "perf/")) and "memory" not in k}
+            for r in read_metrics(path / "metrics.jsonl")]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_interleaved_updates_train_exactly_as_sequential(tmp_path, layout):
+    run_dist(_fit_both, 2, str(tmp_path), layout)
+    seq, inter = tmp_path / "sequential", tmp_path / "interleaved"
+    assert _training_metrics(seq) == _training_metrics(inter)
+    for rank in range(2):
+        a, b = torch.load(seq / f"weights_{rank}.pt"), torch.load(inter / f"weights_{rank}.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a step: 16 sequences, 2 mini-batches of 8 an update; the critic (dp 1) runs 4 micro-
+    # batches of 2 a mini-batch. dp: the actor (dp 2) 1 of 4 a mini-batch on each rank, a turn
+    # each (a role's next mini-batch follows its optimizer step), then the critic's 6 more.
+    # pp: the actor (dp 1) 2 of 4 a mini-batch, both in one turn.
+    actor = 2 if layout == "dp" else 4
+    assert json.loads((seq / "order.json").read_text()) == \
+        (["critic"] * 8 + ["actor"] * actor) * 2
+    turn = ["actor"] * (actor // 2)
+    assert json.loads((inter / "order.json").read_text()) == \
+        (["critic", *turn, "critic", *turn] + ["critic"] * 6) * 2
+    m_seq, m_inter = read_metrics(seq / "metrics.jsonl")[0], read_metrics(inter / "metrics.jsonl")[0]
+    assert "timing_s/update_critic_actor" in m_inter and "perf/mfu/update_critic_actor" in m_inter
+    assert "timing_s/update_actor" not in m_inter and "timing_s/update_critic" not in m_inter
+    assert "timing_s/update_critic_actor" not in m_seq and "timing_s/update_actor" in m_seq
+
+
+def test_a_role_that_offloads_updates_one_after_the_other_and_says_why(tmp_path):
+    from hybridengine.rl.console import RunFacts
+    from test_temperature import tiny_trainer
+    asked = ["algorithm.adv_estimator=gae", "trainer.interleave_updates=true",
+             "critic.ppo_micro_batch_size_per_gpu=4"]
+    trainer = tiny_trainer(tmp_path / "offload", *asked, "critic.megatron.grad_offload=true")
+    assert not trainer.interleaved
+    assert RunFacts.of(trainer, 0).updates == \
+        "one after the other (not interleaved: the critic offloads its grads between phases)"
+    m = trainer.train_step(1, [0, 1, 2, 3], lambda: None)
+    assert "timing_s/update_critic" in m and "timing_s/update_critic_actor" not in m
+
+    trainer = tiny_trainer(tmp_path / "asked", *asked)
+    assert trainer.interleaved and RunFacts.of(trainer, 0).updates == \
+        "critic and actor interleaved, a micro-batch of each in turn"
+    assert RunFacts.of(tiny_trainer(tmp_path / "grpo", asked[1]), 0).updates == \
+        "one after the other (not interleaved: no critic)"
+    assert RunFacts.of(tiny_trainer(tmp_path / "off", asked[0], asked[2]), 0).updates is None
