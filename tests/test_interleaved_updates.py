@@ -113,7 +113,7 @@ def test_interleaved_updates_train_exactly_as_sequential(tmp_path, layout):
     turn = ["actor"] * (actor // 2)
     assert json.loads((inter / "order.json").read_text()) == \
         (["critic", *turn, "critic", *turn] + ["critic"] * 6) * 2
-    m_seq, m_inter = read_metrics(seq / "metrics.jsonl")[0], read_metrics(inter / "metrics.jsonl")[0]
+    m_seq, m_inter = (read_metrics(d / "metrics.jsonl")[0] for d in (seq, inter))
     assert "timing_s/update_critic_actor" in m_inter and "perf/mfu/update_critic_actor" in m_inter
     assert "timing_s/update_actor" not in m_inter and "timing_s/update_critic" not in m_inter
     assert "timing_s/update_critic_actor" not in m_seq and "timing_s/update_actor" in m_seq

@@ -158,10 +158,11 @@ class Actor(Role):
                                        a.ppo_epochs, a.shuffle, seed))
 
     def update(self, batch: Batch, n: int, seed: int, old_from_update: bool = False) -> dict:
-        return run_to_end(self.updating(batch, n, seed, old_from_update))
+        return metrics_as_floats(run_to_end(self.updating(batch, n, seed, old_from_update)))
 
     def updating(self, batch: Batch, n: int, seed: int, old_from_update: bool = False):
-        """One PPO update, a unit of parallel.interleave (returns the metrics).
+        """One PPO update, a unit of parallel.interleave (returns the metrics, metrics_as_floats'
+        input).
         old_from_update: the first mini-batch (first_mini_batch's rows) takes pi_old from its
         own forward, detached (the ratio is 1, as verl's dp_actor does on-policy, where that
         mini-batch is the whole batch), and fills those rows of batch.tensors["old_logprob"],
@@ -212,10 +213,11 @@ class Critic(Role):
         self.cfg, self.loss_agg_mode = cfg, loss_agg_mode
 
     def update(self, batch: Batch, n: int, seed: int) -> dict:
-        return run_to_end(self.updating(batch, n, seed))
+        return metrics_as_floats(run_to_end(self.updating(batch, n, seed)))
 
     def updating(self, batch: Batch, n: int, seed: int):
-        """One value update, a unit of parallel.interleave (returns the metrics)."""
+        """One value update, a unit of parallel.interleave (returns the metrics, metrics_as_floats'
+        input)."""
         c = self.cfg
         micro = (c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz)
         m = yield from self._updating(
@@ -277,9 +279,14 @@ def _keeping_logprobs(loss_fn, kept: list):
 
 
 def _mean_metrics(per_step: list[dict]) -> dict:
-    """Each key's mean over the optimizer steps as floats; the device tensors among them are
-    read in one transfer (one host sync for the whole update, not one per step)."""
-    means = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+    """Each key's mean over the optimizer steps, still on the device where the steps' are (no
+    host sync before every update of a step has been queued: metrics_as_floats reads them)."""
+    return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+
+
+def metrics_as_floats(means: dict) -> dict:
+    """`means` as floats, the device tensors among them read in one transfer (one host sync
+    for a whole update, not one per optimizer step)."""
     on_device = [k for k, v in means.items() if isinstance(v, torch.Tensor)]
     if on_device:
         values = torch.stack([means[k] for k in on_device]).tolist()

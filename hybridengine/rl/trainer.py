@@ -37,7 +37,7 @@ from hybridengine.rl.rewards import build_reward
 from hybridengine.rl.flops import peak_flops
 from hybridengine.parallel.interleave import round_robin
 from hybridengine.rl.roles import INTERLEAVED, Actor, Critic, Reference, interleave_off, \
-    optim_config
+    optim_config, metrics_as_floats
 from hybridengine.rl.rollout import RolloutCollector
 from hybridengine.rl.run_dir import claim_run_dir
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
@@ -203,7 +203,7 @@ class Trainer:
                     for m in round_robin([self.critic.updating(batch, self._n, step),
                                           self.actor.updating(batch, self._n, step,
                                                               old_from_update)]):
-                        out.update(m)
+                        out.update(metrics_as_floats(m))       # after both: one host sync
             elif self.critic is not None:
                 with phase("update_critic", timings, sync):
                     out.update(self.critic.update(batch, self._n, step))
