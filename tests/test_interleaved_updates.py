@@ -137,3 +137,53 @@ def test_a_role_that_offloads_updates_one_after_the_other_and_says_why(tmp_path)
     assert RunFacts.of(tiny_trainer(tmp_path / "grpo", asked[1]), 0).updates == \
         "one after the other (not interleaved: no critic)"
     assert RunFacts.of(tiny_trainer(tmp_path / "off", asked[0], asked[2]), 0).updates is None
+
+
+def _close(got, want, tol):
+    return abs(got - want) <= tol * max(abs(want), 1e-3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_interleaved_updates_of_one_batch_match_sequential(tmp_path, device):
+    """Two trainers update on the same batches (the sequential one's rollouts, copied), one
+    after the other and interleaved. CPU: exactly. CUDA (bf16, the CUDA defaults: compiled layers,
+    token-budget micro-batches): flash attention's backward may sum in any order, so within 1%."""
+    import copy
+    from test_temperature import tiny_trainer
+    run = ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", f"trainer.device={device}",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2"]
+    if device == "cuda":
+        run += [f"{role}.megatron.param_dtype=bfloat16"
+                for role in ("actor_rollout_ref.actor", "critic")]
+        run += ["actor_rollout_ref.rollout.dtype=bfloat16"]
+    seq = tiny_trainer(tmp_path / "seq", *run)
+    inter = tiny_trainer(tmp_path / "inter", *run, "trainer.interleave_updates=true")
+    assert inter.interleaved and not seq.interleaved
+    batches, collect = [], seq.collector.collect
+
+    def recording(*args):
+        batch, metrics = collect(*args)
+        batches.append(copy.deepcopy(batch))
+        return batch, metrics
+    seq.collector.collect = recording
+    inter.collector.collect = lambda *args: (copy.deepcopy(batches[-1]), {})
+    tol = 0.0 if device == "cpu" else 0.01
+    start = {role: {n: p.detach().float().clone()
+                    for n, p in getattr(seq, role).engine.model.named_parameters()}
+             for role in ("actor", "critic")}
+    for step in (1, 2):
+        m_seq = seq.train_step(step, [4 * step + i for i in range(4)], lambda: None)
+        m_inter = inter.train_step(step, [4 * step + i for i in range(4)], lambda: None)
+        trained = [k for k in m_seq if k.startswith(("actor/", "critic/"))]
+        assert len(trained) > 8 and "timing_s/update_critic_actor" in m_inter
+        bad = [k for k in trained if not _close(m_inter[k], m_seq[k], tol)]
+        assert not bad, [(k, m_seq[k], m_inter[k]) for k in bad]
+    for role in ("actor", "critic"):
+        a = {n: p.detach() for n, p in getattr(seq, role).engine.model.named_parameters()}
+        b = {n: p.detach() for n, p in getattr(inter, role).engine.model.named_parameters()}
+        moved = sum(float((p.float() - start[role][n]).norm()) for n, p in a.items())
+        assert moved > 0
+        for name, p in a.items():         # within tol of how far the sequential one moved it
+            err = (b[name].float() - p.float()).norm() / (p.float() - start[role][name]).norm()
+            assert not err > tol, (role, name, float(err))
