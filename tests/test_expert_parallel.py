@@ -100,7 +100,7 @@ def _microbatches(step, replicas, replica, tp):
 
 def train_history(model_dir, mesh, replicas, out_dir, pad_to=1):
     """3 steps on the micro-batches of `replicas` replicas (one process: all of them), packed
-    to multiples of pad_to (the pad tokens pass the router: its losses count them)."""
+    to multiples of pad_to (the sequence-parallel pad, which the router losses skip)."""
     engine = TrainEngine(model_dir, mesh, sequence_parallel=True, optim=OPTIM,
                          dtype=torch.float64, router_losses=ROUTER_LOSSES)
     mine = range(replicas) if mesh.layout.num_replicas == 1 else \
@@ -241,9 +241,9 @@ def test_expert_parallel_logits_grads_reshard_and_steps(dirs, tmp_path):
         with torch.no_grad():
             logits = [hf(s[None]).logits[0] for s in _seqs()]
         refs[name] = {"logits": logits, "grads": _reference_grads(dirs[name])}
-    # (tp 2 has 2 replicas, tp 1 4: each reference pads as its layouts do)
+    # (tp 2 has 2 replicas, tp 1 4; the references unpadded, the tp 2 layouts padded)
     ref_hist = {replicas: train_history(dirs["qwen3_moe"], build_mesh(Layout()), replicas,
-                                        tmp_path / f"ref_{replicas}", 4 // replicas)
+                                        tmp_path / f"ref_{replicas}")
                 for replicas in (2, 4)}
     run_dist(_worker, 4, dirs, refs, tmp_path)
     worst = {}

@@ -60,9 +60,9 @@ def dirs(tmp_path_factory):
     return save_cases(tmp_path_factory.mktemp("families"), family_hf_model, CASES)
 
 
-def _seqs(seed=1):
+def _seqs(seed=1, lengths=LENGTHS):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
 
 
 def _packed_logits(model, tp=1):
@@ -192,10 +192,10 @@ def test_reshard_plan_moves_the_qk_norms():
                             assert torch.equal(got[n], ref), (t, p, d, gen_tp, j, mode, n)
 
 
-def _loss_and_grads(model, tp):
+def _loss_and_grads(model, tp, lengths=LENGTHS):
     """fp64 loss and full (HF-named) gradients, TP-replicated gradients summed over TP."""
-    ids = torch.cat(_seqs())
-    packed = PackedInput.from_lengths(ids, LENGTHS, multiple_of=tp)
+    ids = torch.cat(_seqs(lengths=lengths))
+    packed = PackedInput.from_lengths(ids, lengths, multiple_of=tp)
     targets = torch.nn.functional.pad(torch.roll(ids, -1), (0, packed.num_pad))
     model.zero_grad()
     logp, ent = model.logprob_entropy(model(packed), targets)

@@ -105,6 +105,34 @@ def test_router_losses_are_hf_and_st_moe_and_reach_the_gradient():
     assert not layer.loss_sums.any()
 
 
+def test_router_losses_skip_padding_rows():
+    """With real_rows (the sequence-parallel pad at the end, a CP shard's inside its sequences)
+    the losses and the router's gradient are those of the real rows alone; a shard of padding
+    only adds nothing."""
+    torch.manual_seed(2)
+    layer = MoEMLP(Cfg("qwen3_moe"), None, False, torch.float64, "cpu").train()
+    layer.aux_loss_coef, layer.z_loss_coef = 0.3, 0.05
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(T, H, dtype=torch.float64)
+    real = torch.rand(T, generator=torch.Generator().manual_seed(0)) < 0.7
+    assert 0 < real.sum() < T
+
+    def losses_and_router_grad(rows, mask=None):
+        layer.zero_grad()
+        layer.loss_sums.zero_()
+        logits, _, experts = layer.route(rows)
+        layer._router_loss(logits, experts, mask).backward()
+        return layer.loss_sums[:2].clone(), layer.gate.weight.grad.clone()
+    want_sums, want_grad = losses_and_router_grad(x[real])
+    got_sums, got_grad = losses_and_router_grad(x, real)
+    torch.testing.assert_close(got_sums, want_sums, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-14)
+    sums, grad = losses_and_router_grad(x, torch.zeros(T, dtype=torch.bool))
+    assert not sums.any() and not grad.any()
+
+
 @pytest.mark.parametrize("device,dtype", [
     ("cpu", torch.float32), ("cpu", torch.bfloat16),
     pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])

@@ -186,6 +186,11 @@ class PackedCausalAttention:
         self.cu_numbers = self.cu if host is None else host
         self.max_seqlen = packed.max_seqlen
         self._bounds = None
+        # the rows that are tokens (the sequence-parallel pad trails them), for what must not
+        # count padding (MoE router losses); None: every row is one
+        t = packed.input_ids.shape[0]
+        self.real_rows = None if not packed.num_pad else \
+            torch.arange(t, device=packed.input_ids.device) < t - packed.num_pad
 
     def attend(self, layer_idx: int, q, k, v, spec: AttentionSpec | None = None) -> torch.Tensor:
         flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)

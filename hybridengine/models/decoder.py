@@ -248,9 +248,15 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             a = self.self_attn(self.input_layernorm(h), cos, sin, ctx)
             h = h + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h + self.post_feedforward_layernorm(
+                self._feed_forward(self.pre_feedforward_layernorm(h), ctx))
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self._feed_forward(self.post_attention_layernorm(h), ctx)
+
+    def _feed_forward(self, x, ctx):
+        if isinstance(self.mlp, MoEMLP):    # its router losses skip the context's padding rows
+            return self.mlp(x, getattr(ctx, "real_rows", None))
+        return self.mlp(x)
 
 
 class LayerGroup(nn.Module):

@@ -175,7 +175,10 @@ class MoEMLP(nn.Module):
     # ask the host for the tokens per expert (the loop does), which a captured graph cannot do
     sync_free = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """real_rows: [T] bool, the rows (of the gathered input, as routed) that are tokens, not
+        padding (the sequence-parallel pad, a CP shard's; None: all are): the router losses
+        count those only, as HF's with an attention mask."""
         if self.sync_free and group_size(self.ep_group) > 1:
             raise RuntimeError("the sync-free MoE form needs every expert on this rank (no EP)")
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -186,11 +189,11 @@ class MoEMLP(nn.Module):
             out = self._routed(x, weights, experts)
         if (self.aux_loss_coef or self.z_loss_coef) and self.training and \
                 torch.is_grad_enabled():
-            out = _AddLossGradient.apply(out, self._router_loss(logits, experts))
+            out = _AddLossGradient.apply(out, self._router_loss(logits, experts, real_rows))
         return reduce_scatter_to_sp(out, self.group) if self.sequence_parallel \
             else reduce_from_tp(out, self.group)
 
-    def _router_loss(self, logits, experts) -> torch.Tensor:
+    def _router_loss(self, logits, experts, real_rows=None) -> torch.Tensor:
         """coef-weighted load-balancing loss (Switch Transformer, as HF's Qwen3-MoE / Mixtral
         for one layer: E·Σₑ fₑ·Pₑ, fₑ the tokens routed to e per token over the k slots, Pₑ
         the mean router probability) plus z-loss (ST-MoE: mean logsumexp(logits)²), scaled for
@@ -198,12 +201,15 @@ class MoEMLP(nn.Module):
         and the input's gradients are summed over TP."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         probs = torch.softmax(logits, dim=-1)
+        # each row's weight in the means: 1 for a token, 0 for padding
+        real = torch.ones(logits.shape[0], dtype=probs.dtype, device=probs.device) \
+            if real_rows is None else real_rows.to(probs.dtype)
+        tokens = real.sum().clamp_min(1)          # a CP shard may hold padding alone
         counts = torch.zeros(self.num_experts, dtype=probs.dtype, device=probs.device)
-        counts.scatter_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1),
-                                                                    dtype=probs.dtype))
-        tokens = logits.shape[0]
-        balance = self.num_experts * (counts / tokens * probs.mean(dim=0)).sum()
-        z = torch.logsumexp(logits, dim=-1).square().mean()
+        counts.scatter_add_(0, experts.reshape(-1),
+                            real.repeat_interleave(experts.shape[-1]))
+        balance = self.num_experts * (counts / tokens * (real @ probs) / tokens).sum()
+        z = (real @ torch.logsumexp(logits, dim=-1).square()) / tokens
         with torch.no_grad():
             self.loss_sums += torch.stack([balance, z, torch.ones_like(z)]).detach()
         loss = self.aux_loss_coef * balance + self.z_loss_coef * z

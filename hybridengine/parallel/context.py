@@ -162,6 +162,7 @@ class CPAttention:
             raise ValueError(f"CP group of {group_size(group)} ranks does not match the shard "
                              f"(cp {shard.cp}, rank {shard.rank})")
         self.shard, self.group, self.mode = shard, group, mode
+        self.real_rows = shard.source >= 0      # this rank's rows that are tokens, not padding
         self._unorder = torch.argsort(shard.order)             # rank-major -> padded order
         self._inner = inner(shard.padded_cu, shard.padded_max) if mode == "ulysses" else None
         if mode == "ring":      # every rank's token metadata: the blocks arrive without theirs
