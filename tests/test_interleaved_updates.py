@@ -8,13 +8,9 @@ import pytest
 import torch
 
 from dist_utils import run_dist
-from hybridengine.config import load_config
 from hybridengine.parallel.interleave import round_robin, run_to_end
-from hybridengine.parallel.mesh import build_meshes
 from hybridengine.rl.tracking import read_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-STORIES = ROOT / "models" / "stories260k"
+from test_offload import tiny_ppo_trainer
 
 
 def _unit(name, steps, log):
@@ -34,22 +30,10 @@ def test_round_robin_takes_turns_and_returns_each_result():
 
 
 def _fit(rank, world, out_dir, overrides):
-    """PPO (critic, reference, KL loss, 2 mini-batches an update) on stories260k, 2 steps; the
-    order in which the roles' training micro-batches ran goes to order.json."""
-    from hybridengine.rl.preflight import checked_layout
-    from hybridengine.rl.trainer import Trainer
-    cfg = load_config(["--config", str(ROOT / "configs" / "tiny.yaml"),
-                       f"data.train_files={ROOT / 'data/stories_keywords/train.jsonl'}",
-                       "data.val_files=null", f"actor_rollout_ref.model.path={STORIES}",
-                       "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=2",
-                       "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                       "critic.ppo_mini_batch_size=4", "critic.optim.lr=1e-3",
-                       "data.max_response_length=8", "trainer.total_training_steps=2",
-                       "trainer.val_before_train=False", "trainer.test_freq=-1",
-                       "trainer.save_freq=-1", "trainer.logger=[]",
-                       f"trainer.default_local_dir={out_dir}", *overrides])
-    meshes = build_meshes(checked_layout(cfg, world), cfg.trainer.collective_timeout_s)
-    trainer = Trainer(cfg, meshes)
+    """tiny_ppo_trainer, 2 responses a prompt and 2 mini-batches an update, fitted; the order
+    in which the roles' training micro-batches ran goes to order.json."""
+    trainer = tiny_ppo_trainer(world, out_dir, "actor_rollout_ref.rollout.n=2",
+                               "critic.ppo_mini_batch_size=4", *overrides)
     order = []
     for name, role in (("actor", trainer.actor), ("critic", trainer.critic)):
         forward = role.engine._stage_outputs

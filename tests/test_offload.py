@@ -77,24 +77,29 @@ OFFLOAD_ALL = [f"{role}.megatron.{flag}=true"
     "actor_rollout_ref.ref.megatron.param_offload=true"]
 
 
-def _fit(rank, world, out_dir, overrides):
-    """PPO (critic, reference, KL loss) on stories260k: actor tp=2 on 2 ranks, generation tp=1
-    (the generation weights are gathered copies, so the actor's own weights can go to the host)."""
+def tiny_ppo_trainer(world, out_dir, *overrides):
+    """PPO (critic, reference, KL loss) on stories260k, 2 steps of 8 prompts, responses of up to
+    8 tokens, on `world` ranks (the defaults: actor tp=2, generation tp=1)."""
     from hybridengine.rl.preflight import checked_layout
     from hybridengine.rl.trainer import Trainer
     cfg = load_config(["--config", str(ROOT / "configs" / "tiny.yaml"),
                        f"data.train_files={ROOT / 'data/stories_keywords/train.jsonl'}",
                        "data.val_files=null", f"actor_rollout_ref.model.path={STORIES}",
-                       "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
-                       "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                       "critic.ppo_micro_batch_size_per_gpu=4", "critic.optim.lr=1e-3",
+                       "algorithm.adv_estimator=gae", "data.train_batch_size=8",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.optim.lr=1e-3",
                        "data.max_response_length=8", "trainer.total_training_steps=2",
                        "trainer.val_before_train=False", "trainer.test_freq=-1",
                        "trainer.save_freq=-1", "trainer.logger=[]",
                        f"trainer.default_local_dir={out_dir}", *overrides])
-    meshes = build_meshes(checked_layout(cfg, world), cfg.trainer.collective_timeout_s)
-    trainer = Trainer(cfg, meshes)
+    return Trainer(cfg, build_meshes(checked_layout(cfg, world), cfg.trainer.collective_timeout_s))
+
+
+def _fit(rank, world, out_dir, overrides):
+    """tiny_ppo_trainer, one response a prompt: the generation weights are gathered copies (tp 1
+    against the actor's 2), so the actor's own weights can go to the host."""
+    trainer = tiny_ppo_trainer(world, out_dir, "actor_rollout_ref.rollout.n=1",
+                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                               "critic.ppo_micro_batch_size_per_gpu=4", *overrides)
     trainer.fit()
     # fit ends with everything back on the device: every weight can be read
     weights = {f"{role}.{n}": p.detach().clone()
