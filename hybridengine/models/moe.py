@@ -208,8 +208,9 @@ class MoEMLP(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=probs.dtype, device=probs.device)
         counts.scatter_add_(0, experts.reshape(-1),
                             real.repeat_interleave(experts.shape[-1]))
-        balance = self.num_experts * (counts / tokens * (real @ probs) / tokens).sum()
-        z = (real @ torch.logsumexp(logits, dim=-1).square()) / tokens
+        mean_probs = (probs * real[:, None]).sum(0) / tokens      # sums, not a TF32-able GEMV
+        balance = self.num_experts * (counts / tokens * mean_probs).sum()
+        z = (torch.logsumexp(logits, dim=-1).square() * real).sum() / tokens
         with torch.no_grad():
             self.loss_sums += torch.stack([balance, z, torch.ones_like(z)]).detach()
         loss = self.aux_loss_coef * balance + self.z_loss_coef * z

@@ -161,8 +161,8 @@ class Actor(Role):
         return metrics_as_floats(run_to_end(self.updating(batch, n, seed, old_from_update)))
 
     def updating(self, batch: Batch, n: int, seed: int, old_from_update: bool = False):
-        """One PPO update, a unit of parallel.interleave (returns the metrics, metrics_as_floats'
-        input).
+        """One PPO update, a unit of parallel.interleave; returns its metrics, still on the
+        device (metrics_as_floats reads them).
         old_from_update: the first mini-batch (first_mini_batch's rows) takes pi_old from its
         own forward, detached (the ratio is 1, as verl's dp_actor does on-policy, where that
         mini-batch is the whole batch), and fills those rows of batch.tensors["old_logprob"],
@@ -216,8 +216,8 @@ class Critic(Role):
         return metrics_as_floats(run_to_end(self.updating(batch, n, seed)))
 
     def updating(self, batch: Batch, n: int, seed: int):
-        """One value update, a unit of parallel.interleave (returns the metrics, metrics_as_floats'
-        input)."""
+        """One value update, a unit of parallel.interleave; returns its metrics, still on the
+        device (metrics_as_floats reads them)."""
         c = self.cfg
         micro = (c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz)
         m = yield from self._updating(
