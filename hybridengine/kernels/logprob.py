@@ -43,6 +43,7 @@ import torch.distributed as dist
 from hybridengine.parallel.tensor import all_reduce, copy_to_tp, gather_from_sp, group_rank, \
     group_size
 from hybridengine.parallel.vocab import _chunk_backward, _chunk_forward
+from hybridengine.parallel.wgrad_accumulation import accumulate_mm
 
 logger = logging.getLogger(__name__)
 
@@ -184,16 +185,6 @@ def _chunks(v_local, v_offset, vocab_size, num_tokens, chunk_cols):
             for a in range(0, v_local, chunk_cols)]
 
 
-def _accumulate_mm(acc, a, b):
-    """acc += a @ b, acc wider than a and b: on CUDA the bf16/fp16 GEMM emits fp32 itself."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif a.is_cuda:
-        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-    else:
-        acc.add_(torch.mm(a, b))
-
-
 class _FusedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, group, vocab_size, temperature, chunk_cols, ops, cap):
@@ -244,7 +235,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             if need_w:
                 torch.mm(g.t(), x, out=grad_w[start:stop])
             if need_x:
-                _accumulate_mm(grad_x, g, w_c)
+                accumulate_mm(grad_x, g, w_c)
         return (grad_x.to(x.dtype) if need_x else None, grad_w, *([None] * 7))
 
 

@@ -19,9 +19,10 @@ registers the C++ one, kernels/wgrad.py: 21 µs of host a call against 31.5). It
 weight gradient (the weight enters detached where it can), so the optimizer's hook adds nothing
 for it. The GEMM: on CUDA, bf16/fp16 inputs into fp32 through
 `aten::addmm.dtype_out` (cuBLAS with an fp32 C); where the inputs already have main_grad's
-dtype (fp32 / fp64 weights, the CPU's tests) a plain in-place addmm; elsewhere (bf16 on the CPU,
-or a torch whose addmm.dtype_out refuses an fp32 C) the product in the inputs' dtype added into
-main_grad, which is what the unfused path computes.
+dtype (fp32 / fp64 weights, the CPU's tests) a plain in-place addmm; a CUDA torch whose
+addmm.dtype_out refuses an fp32 C (or one capturing a graph before the probe ran) an fp32 product
+added; bf16 on the CPU the product in the inputs' dtype added into main_grad, which is what the
+unfused path computes. (`accumulate_mm`, which the fused log-prob's input gradient uses too.)
 
 Used where the weight has `main_grad` (an optimizer owns it), requires grad, and grad mode is
 on; forward-only passes and frozen (LoRA base) weights take F.linear.
@@ -59,17 +60,25 @@ def dtype_out_accumulates(device: torch.device, dtype: torch.dtype,
     return _DTYPE_OUT_WORKS[key]
 
 
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc possibly wider than a and b (fp32 sums of bf16 products). On CUDA the
+    GEMM itself emits acc's dtype: in place (addmm.dtype_out, beta = 1) where this torch takes it,
+    else a product in acc's dtype then added; elsewhere the product in the inputs' dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and dtype_out_accumulates(acc.device, a.dtype, acc.dtype):
+        torch.ops.aten.addmm.dtype_out(acc, a, b, acc.dtype, out=acc)
+    elif acc.is_cuda:
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:
+        acc.add_(a @ b)
+
+
 def _accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor,
                       x: torch.Tensor) -> None:
     """main_grad[out, in] += grad_output[..., out]^T · x[..., in], the sum over every token."""
-    g = grad_output.reshape(-1, grad_output.shape[-1])
-    x = x.reshape(-1, x.shape[-1])
-    if g.dtype == main_grad.dtype:
-        main_grad.addmm_(g.t(), x)
-    elif main_grad.is_cuda and dtype_out_accumulates(main_grad.device, g.dtype, main_grad.dtype):
-        torch.ops.aten.addmm.dtype_out(main_grad, g.t(), x, main_grad.dtype, out=main_grad)
-    else:
-        main_grad.add_(g.t() @ x)
+    accumulate_mm(main_grad, grad_output.reshape(-1, grad_output.shape[-1]).t(),
+                  x.reshape(-1, x.shape[-1]))
 
 
 # Declared with torch.library's low-level API, not torch.library.custom_op: the op runs once per
