@@ -109,6 +109,7 @@ class Role:
             return mini, plan, self._microbatches(mini, plan[self.mesh.dp_rank], fields)
 
         all_metrics: list[dict] = []
+        own_rows = None
         minis = list(self._mini_batches(batch, mini_size, epochs, shuffle, seed))
         ready = [packed(minis[0])]
         for k, idx in enumerate(minis):
@@ -130,13 +131,25 @@ class Role:
             all_metrics.append((yield from self.engine.train_steps(
                 mbs, loss_fn, before_step=pack_next, metrics_on_device=True)))
             if own:
-                kept = broadcast_from_last_stage(kept, [mb.num_tokens for mb in mbs], self.mesh,
-                                                 device=self.engine.device)
-                batch.tensors["old_logprob"][torch.tensor(idx, dtype=torch.long)] = \
-                    self._response_grid(mini, plan, mbs, kept)
+                own_rows = (idx, mini, plan, mbs, kept)
+                # the host grid waits for the device (a sync): written once every mini-batch is
+                # queued, unless a later one holds these rows (more epochs) and packs them
+                if any(not set(m).isdisjoint(idx) for m in minis[k + 1:]):
+                    self._write_old_logprob(batch, *own_rows)
+                    own_rows = None
             if pack_after:
                 ready.append(packed(minis[k + 1]))
+        if own_rows is not None:
+            self._write_old_logprob(batch, *own_rows)
         return _mean_metrics(all_metrics)
+
+    def _write_old_logprob(self, batch: Batch, idx, mini, plan, mbs, kept) -> None:
+        """batch.tensors["old_logprob"][idx] from the log-probs `kept` of mini-batch `idx`'s
+        own forward (every stage and DP rank gets them)."""
+        kept = broadcast_from_last_stage(kept, [mb.num_tokens for mb in mbs], self.mesh,
+                                         device=self.engine.device)
+        batch.tensors["old_logprob"][torch.tensor(idx, dtype=torch.long)] = \
+            self._response_grid(mini, plan, mbs, kept)
 
 
 class Actor(Role):
