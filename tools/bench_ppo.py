@@ -231,6 +231,22 @@ def extra_overrides(args) -> list[str]:
     return ov
 
 
+def interleaved_at(step: int, warmup: int) -> bool:
+    """--alternate-interleave's switch at `step`: warm-up steps alternate (both paths warm); the
+    timed ones go a b b a a b b a ... (a: interleaved), so that a drift across the run (clocks,
+    the host) weighs on both alike."""
+    if step <= warmup:
+        return step % 2 == 1
+    return (step - warmup - 1) % 4 in (0, 3)
+
+
+def means(rows: list[dict]) -> dict:
+    """Each numeric key's mean over the rows that have it (the phases differ between the
+    interleaved and the sequential steps)."""
+    keys = dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, bool))
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+
+
 def steady_state(step_s: dict[int, float], after: int) -> dict:
     """Median and slowest of the step times of steps > `after` (step number -> seconds), the
     slowest step's number and its ratio to the median."""
@@ -373,12 +389,16 @@ def run(args) -> dict:
     _log_phases(trainer)
     if args.response_lengths:
         _draw_response_lengths(trainer, args.response_lengths)
+    if args.alternate_interleave and trainer.not_interleaved:
+        raise SystemExit(f"--alternate-interleave: {trainer.not_interleaved}")
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     compile_records: list[str] = []
     compile_steps: dict[str, float] = {}
     gc_pauses, gc_by_step = GcPauses(), {}
     for step in range(1, args.warmup + args.steps + 1):
+        if args.alternate_interleave:
+            trainer.interleaved = interleaved_at(step, args.warmup)
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
@@ -396,6 +416,10 @@ def run(args) -> dict:
                 log(f"  compiled: {line}")
         if step > args.warmup:
             steps.append({k: m[k] for k in KEYS if k in m})
+            if args.alternate_interleave:      # the two updates' seconds, either way
+                steps[-1].update(interleaved=trainer.interleaved, **{"timing_s/updates": m.get(
+                    "timing_s/update_critic_actor",
+                    m.get("timing_s/update_critic", 0) + m.get("timing_s/update_actor", 0))})
             # on stderr as it happens: a run cut by its time limit still leaves its figures
             log(f"step {step} metrics: {json.dumps(steps[-1])}")
         if args.val_every and step % args.val_every == 0:
@@ -418,7 +442,10 @@ def run(args) -> dict:
         host = host_diagnosis(one_more_step)
         log(f"host profile of one more step: {sum(host['syncs'].values())} synchronising calls")
     shutil.rmtree(work, ignore_errors=True)
-    mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    mean = means(steps)
+    alternate = {"interleaved": means([s for s in steps if s["interleaved"]]),
+                 "sequential": means([s for s in steps if not s["interleaved"]])} \
+        if args.alternate_interleave else None
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
             "model": "stories260k" if args.tiny else model_name(args.model),
@@ -439,6 +466,7 @@ def run(args) -> dict:
             "gc_by_step": gc_by_step,
             "val_s": val_s, "mean": mean, "steps": steps,
             **memory_check(trainer, peak_gb, phase_gb),
+            **({"alternate_interleave": alternate} if alternate is not None else {}),
             **({"profile": profile} if profile is not None else {}),
             **({"host_profile": host} if host is not None else {})}
 
@@ -476,6 +504,10 @@ def main():
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
                     help="a LoRA actor of this rank (actor_rollout_ref.model.lora_rank)")
     ap.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x --lora")
+    ap.add_argument("--alternate-interleave", action="store_true",
+                    help="a same-run A/B of trainer.interleave_updates: the switch flips between "
+                         "steps (timed ones a b b a ...); the JSON's alternate_interleave holds "
+                         "each side's means")
     ap.add_argument("--profile", action="store_true", help="kernel table per phase of a step")
     ap.add_argument("--host-profile", action="store_true",
                     help="one more step under cProfile and CUDA's sync debug mode: the host's "
