@@ -1,6 +1,6 @@
 """verl's algorithm zoo through the trainer: 3 GRPO-style steps of the tiny job (stories260K,
-one process, CPU) with each advantage estimator, each policy-loss mode and the rollout
-importance-sampling correction; every step logs verl's metric names with finite values."""
+one process, CPU) with each advantage estimator, each policy-loss mode, the rollout
+importance-sampling correction and verl's bypass mode; every step logs verl's metric names with finite values."""
 import math
 from pathlib import Path
 
@@ -21,7 +21,7 @@ ACTOR_METRICS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/lr"
 # and those of the policy-loss mode, as verl's loss functions report them
 CLIP_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 MODE_METRICS = {"clip_cov": ("actor/pg_clipfrac", "actor/ppo_kl"), "kl_cov": ("actor/ppo_kl",),
-                "gpg": ()}
+                "gpg": (), "bypass_reinforce": ("actor/ppo_kl",)}
 
 RUNS = {
     # advantage estimators
@@ -43,6 +43,12 @@ RUNS = {
     "tis_token": ["algorithm.rollout_correction.rollout_is=token",
                   "actor_rollout_ref.rollout.temperature=0.8"],
     "tis_sequence": ["algorithm.rollout_correction.rollout_is=sequence"],
+    # verl's bypass mode: pi_old = pi_rollout, no old-log-prob forward (rl.bypass)
+    "bypass_ppo_clip": ["algorithm.rollout_correction.bypass_mode=true"],
+    "bypass_reinforce": ["algorithm.rollout_correction.bypass_mode=true",
+                         "algorithm.rollout_correction.loss_type=reinforce",
+                         "algorithm.rollout_correction.rollout_is=sequence",
+                         "actor_rollout_ref.rollout.temperature=0.8"],
 }
 
 
@@ -81,5 +87,6 @@ def test_three_steps(tmp_path, name):
         assert not bad, f"{name}: non-finite metrics {bad}"
     for r in records:
         assert r["actor/grad_norm"] > 0
-        if name.startswith("tis"):
+        if name.startswith(("tis", "bypass")):
             assert any(k.startswith("rollout_corr/") for k in r), sorted(r)
+        assert ("timing_s/old_log_prob" in r) != name.startswith("bypass")

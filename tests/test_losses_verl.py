@@ -444,7 +444,7 @@ A, RC = "actor_rollout_ref.actor.", "algorithm.rollout_correction."
     (A + "policy_loss.clip_cov_ratio=0", "clip_cov_ratio=0.0 must be > 0"),
     (A + "policy_loss.clip_cov_lb=6", "clip_cov_lb=6.0 must be < clip_cov_ub=5.0"),
     (RC + "rollout_rs=token_k1", "rejection sampling is not supported"),
-    (RC + "bypass_mode=true", "bypass mode is not supported"),
+    (RC + "loss_type=reinforce", "loss_type='reinforce' needs bypass_mode=true"),
 ])
 def test_bad_values_are_one_line(override, message):
     cfg = load_config(RECIPE + [override])

@@ -77,7 +77,7 @@ def test_on_policy_update_reuses_its_forward_exactly(tmp_path):
 
     # every row's pi_old from the separate forward: the same update, pi_old and metrics
     full = _trainer(tmp_path / "full")
-    full._old_logprob_from_update = lambda: False
+    full._old_logprob_from_update = lambda _num: False
     m_full, b_full, w_full = _step(full)
     assert full.scored == [12] and "timing_s/old_log_prob" in m_full
     _same_update(full, w_fast, w_full)
@@ -103,7 +103,7 @@ def test_first_mini_batch_takes_pi_old_from_its_forward(tmp_path, overrides, own
     assert ("perf/mfu/old_log_prob" in m_fast) == (own < 12)
 
     full = _trainer(tmp_path / "full", *overrides)
-    full._old_logprob_from_update = lambda: False
+    full._old_logprob_from_update = lambda _num: False
     m_full, b_full, w_full = _step(full)
     assert full.scored == [12]
     _same_update(full, w_fast, w_full)
@@ -120,4 +120,4 @@ def test_first_mini_batch_takes_pi_old_from_its_forward(tmp_path, overrides, own
 def test_old_logprobs_have_their_forward_when_read_before_the_update(tmp_path, override):
     """KL in the reward and the rollout importance weights read pi_old before the update."""
     trainer = _trainer(tmp_path, override)
-    assert not trainer._old_logprob_from_update()
+    assert not trainer._old_logprob_from_update(1)

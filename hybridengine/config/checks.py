@@ -209,13 +209,14 @@ def _check_forward_batches(cfg: DictConfig, layout: RunLayout) -> Iterator[str]:
 # actor.policy_loss.loss_mode and rollout_correction.rollout_is: the registries of rl.losses and
 # rl.rollout_correction (tests/test_losses_verl.py keeps them equal; config does not import torch)
 POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov")
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")     # rl.bypass.LOSS_TYPES
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 _RC = "algorithm.rollout_correction."
 
 
 def _check_policy_loss(cfg: DictConfig) -> Iterator[str]:
     """actor.policy_loss, actor.loss_scale_factor and algorithm.rollout_correction (verl's keys;
-    rejection sampling and bypass mode are accepted only at their neutral values)."""
+    rejection sampling is accepted only at its neutral value)."""
     actor, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
     pl = actor.policy_loss
     if pl.loss_mode not in POLICY_LOSS_MODES:
@@ -238,9 +239,16 @@ def _check_policy_loss(cfg: DictConfig) -> Iterator[str]:
     if rc.rollout_rs is not None:
         yield (f"{_RC}rollout_rs={rc.rollout_rs!r}: rejection sampling is not supported "
                f"(null only)")
-    if rc.bypass_mode or rc.loss_type != "ppo_clip":
-        yield (f"{_RC}bypass_mode={rc.bypass_mode}, loss_type={rc.loss_type!r}: bypass "
-               f"mode is not supported (bypass_mode=false, loss_type=ppo_clip only)")
+    if rc.loss_type not in BYPASS_LOSS_TYPES:
+        yield f"{_RC}loss_type={rc.loss_type!r}: choose one of {', '.join(BYPASS_LOSS_TYPES)}"
+    elif rc.loss_type != "ppo_clip" and not rc.bypass_mode:
+        yield f"{_RC}loss_type={rc.loss_type!r} needs bypass_mode=true (verl's bypass-mode loss)"
+    if rc.bypass_mode and rc.rollout_is_batch_normalize:
+        yield (f"{_RC}rollout_is_batch_normalize=true is not supported with bypass_mode=true "
+               f"(verl normalises each micro-batch's weights over every rank)")
+    if rc.bypass_mode and pl.loss_mode != "vanilla":
+        yield (f"{_A}policy_loss.loss_mode={pl.loss_mode!r}: bypass mode has its own policy loss "
+               f"({_RC}loss_type); set loss_mode=vanilla")
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> RunLayout:

@@ -37,7 +37,9 @@ def rollout_probs_diff(rollout_logprob: torch.Tensor, old_logprob: torch.Tensor,
     return out
 
 
-def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
+def batch_metrics(batch: Batch, has_critic: bool, probs_diff: bool = True) -> dict[str, float]:
+    """verl's data metrics of the step; probs_diff: the rollout's probabilities against the
+    trainer's pi_old (off in bypass mode, where pi_old is the rollout's own, as verl)."""
     t, mask = batch.tensors, batch.response_mask
     valid = mask.bool()
     resp_len = mask.sum(-1)
@@ -57,7 +59,7 @@ def batch_metrics(batch: Batch, has_critic: bool) -> dict[str, float]:
         out["critic/vf_explained_var"] = (1.0 - torch.var(returns[valid] - values[valid])
                                           / (var_ret + 1e-5)).item()
     # NaN: the backend does not report the sampling distribution's log-probs (vLLM at T != 1)
-    if "rollout_logprob" in t and "old_logprob" in t and \
+    if probs_diff and "rollout_logprob" in t and "old_logprob" in t and \
             not t["rollout_logprob"][valid].isnan().any():
         out.update(rollout_probs_diff(t["rollout_logprob"], t["old_logprob"], valid))
     return out

@@ -17,8 +17,10 @@ from hybridengine.parallel.interleave import run_to_end
 from hybridengine.parallel.lora import adapters_disabled
 from hybridengine.parallel.pipeline import broadcast_from_last_stage
 from hybridengine.train.engine import OptimConfig, TrainEngine
+from hybridengine.rl.bypass import CORR_PREFIX, bypass_policy_loss
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
+from hybridengine.rl.rollout_correction import RolloutCorrectionConfig
 from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_entropy_loss, \
     compute_kl_loss, compute_value_loss, get_policy_loss_fn
 
@@ -153,14 +155,23 @@ class Role:
 
 
 class Actor(Role):
-    def __init__(self, engine: TrainEngine, cfg: ActorRolloutRefConfig):
+    def __init__(self, engine: TrainEngine, cfg: ActorRolloutRefConfig,
+                 correction: RolloutCorrectionConfig = RolloutCorrectionConfig()):
         a, r = cfg.actor, cfg.rollout
         super().__init__(engine, r.log_prob_micro_batch_size_per_gpu,
                          r.log_prob_max_token_len_per_gpu, r.log_prob_use_dynamic_bsz)
         self.cfg, self.loss_agg_mode = a, a.loss_agg_mode
         self.loss_scale_factor = a.loss_scale_factor
         self.policy_loss = policy_loss_config(a)
-        self.policy_loss_fn = get_policy_loss_fn(self.policy_loss.loss_mode)
+        # bypass mode: pi_old is pi_rollout and verl's bypass-mode loss replaces loss_mode's
+        self.policy_loss_fn = bypass_policy_loss(correction, correction.loss_type) \
+            if correction.bypass_mode else get_policy_loss_fn(self.policy_loss.loss_mode)
+
+    def on_policy(self, num_sequences: int, n: int) -> bool:
+        """One mini-batch (the whole batch) and one epoch: verl's dp_actor then takes pi_old
+        from the update's own forward."""
+        a = self.cfg
+        return a.ppo_epochs == 1 and a.ppo_mini_batch_size * n >= num_sequences
 
     def first_mini_batch(self, num_sequences: int, n: int, seed: int) -> list[int]:
         """The sequences of update(seed)'s first optimizer step (all of them with one mini-batch
@@ -192,7 +203,7 @@ class Actor(Role):
             batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro, fields,
             lambda info, scale, own: self._loss(info, scale, generator, own),
             own_first=old_from_update)
-        return {f"actor/{k}": v for k, v in m.items()}
+        return {k if k.startswith(CORR_PREFIX) else f"actor/{k}": v for k, v in m.items()}
 
     def _loss(self, info: GlobalBatchInfo, scale: int, generator: torch.Generator,
               on_policy: bool):

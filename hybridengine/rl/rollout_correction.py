@@ -18,8 +18,8 @@ known (verl logs them whenever the rollout reports log-probs).
 
 One deliberate difference: per-sequence statistics skip fully masked rows. verl's responses hold
 at least their EOS token; ours can be empty, and an empty row is padding, not a sequence (as in
-rl.losses). Rejection sampling (rollout_rs) and bypass mode are not implemented (config checks
-reject them).
+rl.losses). Bypass mode (pi_old = pi_rollout, no old-log-prob forward) is rl.bypass; rejection
+sampling (rollout_rs) is not implemented (config checks reject it).
 """
 from __future__ import annotations
 
@@ -43,16 +43,20 @@ class RolloutCorrectionConfig:
     rollout_is: str | None = None
     rollout_is_threshold: float = 2.0
     rollout_is_batch_normalize: bool = False
+    bypass_mode: bool = False          # pi_old = pi_rollout, verl's bypass-mode loss (rl.bypass)
+    loss_type: str = "ppo_clip"        # that loss: ppo_clip | reinforce
 
     @classmethod
     def from_config(cls, node) -> "RolloutCorrectionConfig":
-        return cls(node.rollout_is, float(node.rollout_is_threshold), bool(node.rollout_is_batch_normalize))
+        return cls(node.rollout_is, float(node.rollout_is_threshold),
+                   bool(node.rollout_is_batch_normalize), bool(node.bypass_mode), str(node.loss_type))
 
 
 def compute_rollout_is_weights(log_ratio: Tensor, response_mask: Tensor, rollout_is: str,
                                threshold: float, batch_normalize: bool = False) -> tuple[Tensor, dict]:
     """Truncated IS weights [B, R] from log_ratio = log pi_old - log pi_rollout [B, R], and their
-    metrics (unprefixed; statistics of the weights before truncation)."""
+    metrics (unprefixed 0-d tensors on log_ratio's device: no host sync, so that the bypass
+    mode's loss can take them per micro-batch; statistics of the weights before truncation)."""
     if rollout_is not in IS_LEVELS:
         raise ValueError(f"algorithm.rollout_correction.rollout_is={rollout_is!r}: choose one of "
                          f"{', '.join(IS_LEVELS)} or null")
@@ -70,11 +74,35 @@ def compute_rollout_is_weights(log_ratio: Tensor, response_mask: Tensor, rollout
         if rollout_is == "token":
             mean = masked_mean(weights, mask)
         else:
-            mean = masked_mean(weights, mask, axis=-1)[mask.bool().any(-1)].mean()
-        factor = mean.item() if mean > 1e-8 else 1.0
+            mean = _row_mean(masked_mean(weights, mask, axis=-1), mask.bool().any(-1))
+        factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
         weights = weights / factor
         metrics["rollout_is_batch_norm_factor"] = factor
     return weights, metrics
+
+
+def _row_mean(values: Tensor, rows: Tensor) -> Tensor:
+    """Mean of values [B] over the rows set in `rows` [B] (0 where none is)."""
+    return masked_mean(values, rows)
+
+
+def _row_std(values: Tensor, rows: Tensor) -> Tensor:
+    """Bessel-corrected std of values [B] over the rows set (0 with fewer than two)."""
+    n = rows.to(values.dtype).sum()
+    centred = values - _row_mean(values, rows)
+    var = masked_sum(centred.square(), rows) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+
+
+def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
+    """Max over the masked elements (0 where the mask is empty)."""
+    m = mask.bool()
+    top = values.masked_fill(~m, float("-inf")).amax()
+    return torch.where(m.any(), top, torch.zeros_like(top))
+
+
+def _masked_min(values: Tensor, mask: Tensor) -> Tensor:
+    return -_masked_max(-values, mask)
 
 
 def _weight_metrics(raw: Tensor, seq_log_w: Tensor | None, mask: Tensor, threshold: float) -> dict:
@@ -82,62 +110,71 @@ def _weight_metrics(raw: Tensor, seq_log_w: Tensor | None, mask: Tensor, thresho
     [B]: the sequence log-weights (sequence level), whose extremes are read in log space."""
     valid, rows = mask.bool(), mask.bool().any(-1)
     lower = 1.0 / threshold
-    out = {"rollout_is_mean": masked_mean(raw, mask).item()}
+    dtype = raw.dtype
+    out = {"rollout_is_mean": masked_mean(raw, mask)}
     if seq_log_w is None:
-        out["rollout_is_ratio_fraction_high"] = masked_mean((raw > threshold).to(raw.dtype), mask).item()
-        out["rollout_is_ratio_fraction_low"] = masked_mean((raw < lower).to(raw.dtype), mask).item()
-        out["rollout_is_max"] = raw[valid].max().item()
-        out["rollout_is_min"] = raw[valid].min().item()
+        out["rollout_is_ratio_fraction_high"] = masked_mean((raw > threshold).to(dtype), mask)
+        out["rollout_is_ratio_fraction_low"] = masked_mean((raw < lower).to(dtype), mask)
+        out["rollout_is_max"] = _masked_max(raw, valid)
+        out["rollout_is_min"] = _masked_min(raw, valid)
     else:
-        seq = seq_log_w[rows]
-        out["rollout_is_max"] = math.exp(min(seq.max().item(), SAFETY_BOUND))
-        out["rollout_is_min"] = math.exp(seq.min().item())
-        out["rollout_is_ratio_fraction_high"] = (seq > math.log(threshold)).to(raw.dtype).mean().item()
-        out["rollout_is_ratio_fraction_low"] = (seq < math.log(lower)).to(raw.dtype).mean().item()
+        out["rollout_is_max"] = torch.exp(_masked_max(seq_log_w, rows).clamp(max=SAFETY_BOUND))
+        out["rollout_is_min"] = torch.exp(_masked_min(seq_log_w, rows))
+        out["rollout_is_ratio_fraction_high"] = _row_mean((seq_log_w > math.log(threshold)).to(dtype), rows)
+        out["rollout_is_ratio_fraction_low"] = _row_mean((seq_log_w < math.log(lower)).to(dtype), rows)
     # spread and effective sample size of the weights clamped into [1/threshold, threshold]
     bounded = raw.clamp(lower, threshold)
     mean = masked_mean(bounded, mask)
     var = masked_mean(bounded.square(), mask) - mean.square()
-    out["rollout_is_std"] = var.clamp(min=0).sqrt().item() if valid.sum() > 1 else 0.0
-    out["rollout_is_eff_sample_size"] = 1.0 / masked_mean((bounded / mean).square(), mask).item()
-    seq_mean = masked_mean(raw, mask, axis=-1)[rows]  # [num sequences]
-    out.update(rollout_is_seq_mean=seq_mean.mean().item(),
-               rollout_is_seq_std=seq_mean.std().item() if len(seq_mean) > 1 else 0.0,
-               rollout_is_seq_max=seq_mean.max().item(), rollout_is_seq_min=seq_mean.min().item(),
-               rollout_is_seq_max_deviation=(seq_mean - 1.0).abs().max().item(),
-               rollout_is_seq_fraction_high=(seq_mean > threshold).to(raw.dtype).mean().item(),
-               rollout_is_seq_fraction_low=(seq_mean < lower).to(raw.dtype).mean().item())
+    out["rollout_is_std"] = torch.where(valid.sum() > 1, var.clamp(min=0).sqrt(), torch.zeros_like(var))
+    ess = 1.0 / masked_mean((bounded / mean).square(), mask)
+    out["rollout_is_eff_sample_size"] = torch.where(valid.any(), ess, torch.zeros_like(ess))
+    seq_mean = masked_mean(raw, mask, axis=-1)                         # [B]; rows: the sequences
+    out.update(rollout_is_seq_mean=_row_mean(seq_mean, rows),
+               rollout_is_seq_std=_row_std(seq_mean, rows),
+               rollout_is_seq_max=_masked_max(seq_mean, rows),
+               rollout_is_seq_min=_masked_min(seq_mean, rows),
+               rollout_is_seq_max_deviation=_masked_max((seq_mean - 1.0).abs(), rows),
+               rollout_is_seq_fraction_high=_row_mean((seq_mean > threshold).to(dtype), rows),
+               rollout_is_seq_fraction_low=_row_mean((seq_mean < lower).to(dtype), rows))
     return out
 
 
 def compute_offpolicy_metrics(old_log_prob: Tensor, rollout_log_prob: Tensor,
                               response_mask: Tensor) -> dict:
-    """verl's off-policy diagnostics of pi_old against pi_rollout (unprefixed): KL(rollout||old)
-    as k1 and k3, per-sequence perplexities and their log difference, chi^2 of the token and
-    sequence ratios."""
+    """verl's off-policy diagnostics of pi_old against pi_rollout (unprefixed 0-d tensors on the
+    inputs' device): KL(rollout||old) as k1 and k3, per-sequence perplexities and their log
+    difference, chi^2 of the token and sequence ratios."""
     mask = response_mask.to(old_log_prob.dtype)
     rows = mask.bool().any(-1)
     log_ratio = old_log_prob - rollout_log_prob
-    mean_old = masked_mean(old_log_prob, mask, axis=-1)[rows]          # [num sequences]
-    mean_rollout = masked_mean(rollout_log_prob, mask, axis=-1)[rows]
+    mean_old = masked_mean(old_log_prob, mask, axis=-1)                # [B]
+    mean_rollout = masked_mean(rollout_log_prob, mask, axis=-1)
     log_ppl_diff = mean_rollout - mean_old
     rho = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1)[rows].clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return {
-        "training_ppl": torch.exp(-mean_old).mean().item(),
-        "training_log_ppl": (-mean_old).mean().item(),
-        "kl": masked_mean(-log_ratio, mask).item(),
-        "k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask).item(),
-        "rollout_ppl": torch.exp(-mean_rollout).mean().item(),
-        "rollout_log_ppl": (-mean_rollout).mean().item(),
-        "log_ppl_diff": log_ppl_diff.mean().item(),
-        "log_ppl_abs_diff": log_ppl_diff.abs().mean().item(),
-        "log_ppl_diff_max": log_ppl_diff.max().item(),
-        "log_ppl_diff_min": log_ppl_diff.min().item(),
-        "ppl_ratio": torch.exp(log_ppl_diff).mean().item(),
-        "chi2_token": (masked_mean(rho.square(), mask) - 1.0).item(),
-        "chi2_seq": (torch.exp(2.0 * seq_log_ratio).mean() - 1.0).item(),
+        "training_ppl": _row_mean(torch.exp(-mean_old), rows),
+        "training_log_ppl": _row_mean(-mean_old, rows),
+        "kl": masked_mean(-log_ratio, mask),
+        "k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask),
+        "rollout_ppl": _row_mean(torch.exp(-mean_rollout), rows),
+        "rollout_log_ppl": _row_mean(-mean_rollout, rows),
+        "log_ppl_diff": _row_mean(log_ppl_diff, rows),
+        "log_ppl_abs_diff": _row_mean(log_ppl_diff.abs(), rows),
+        "log_ppl_diff_max": _masked_max(log_ppl_diff, rows),
+        "log_ppl_diff_min": _masked_min(log_ppl_diff, rows),
+        "ppl_ratio": _row_mean(torch.exp(log_ppl_diff), rows),
+        "chi2_token": masked_mean(rho.square(), mask) - 1.0,
+        "chi2_seq": _row_mean(torch.exp(2.0 * seq_log_ratio), rows) - 1.0,
     }
+
+
+def as_floats(metrics: dict) -> dict[str, float]:
+    """0-d tensors (one device, one dtype) as floats, read in one transfer."""
+    if not metrics:
+        return {}
+    return dict(zip(metrics, torch.stack([torch.as_tensor(v) for v in metrics.values()]).tolist()))
 
 
 def apply_rollout_correction(batch, config: RolloutCorrectionConfig) -> dict[str, float]:
@@ -162,4 +199,4 @@ def apply_rollout_correction(batch, config: RolloutCorrectionConfig) -> dict[str
             config.rollout_is_batch_normalize)
         t["rollout_is_weights"] = weights
         metrics.update(is_metrics)
-    return {f"rollout_corr/{k}": v for k, v in metrics.items()}
+    return {f"rollout_corr/{k}": v for k, v in as_floats(metrics).items()}

@@ -40,6 +40,7 @@ from hybridengine.rl.roles import INTERLEAVED, Actor, Critic, Reference, interle
     optim_config, metrics_as_floats
 from hybridengine.rl.rollout import RolloutCollector
 from hybridengine.rl.run_dir import claim_run_dir
+from hybridengine.rl.bypass import bypass_old_logprob
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
 from hybridengine.rl.memory import memory_report, param_dtype
 from hybridengine.rl.preflight import checked_run_config, run_device
@@ -88,13 +89,14 @@ class Trainer:
         self.reward_fn = build_reward(crf.path, crf.name, crf.weights)
         self._build_data()
         self.total_steps = cfg.trainer.total_training_steps or len(self.sampler)
+        self.rollout_correction = RolloutCorrectionConfig.from_config(
+            cfg.algorithm.rollout_correction)
+        self.bypass = self.rollout_correction.bypass_mode     # pi_old = pi_rollout (rl.bypass)
         with self.phases.enter("setup"):
             self._build_roles()
         self.not_interleaved = interleave_off(self.actor, self.critic)    # why not, if asked
         self.interleaved = t.interleave_updates and self.not_interleaved is None
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
-        self.rollout_correction = RolloutCorrectionConfig.from_config(
-            cfg.algorithm.rollout_correction)
         self.collector = RolloutCollector(cfg, self.tokenizer, self.generator, self.reward_fn,
                                           rank=self.rank)
         self.peak = peak_flops() if self.device.type == "cuda" else None
@@ -133,7 +135,7 @@ class Trainer:
             lora=lora, cuda_graphs=bool(arr.actor.use_cuda_graph),
             wgrad_fusion=bool(a_meg.gradient_accumulation_fusion),
             router_losses=(arr.actor.router_aux_loss_coef, arr.actor.router_z_loss_coef))
-        self.actor = Actor(actor_engine, arr)
+        self.actor = Actor(actor_engine, arr, self.rollout_correction)
         self.ref = None
         if uses_reference(cfg) and lora is not None:    # the base: the actor's adapters off
             self.ref = Reference(actor_engine, arr.ref, base_of_actor=True)
@@ -189,12 +191,12 @@ class Trainer:
                         **self.residency.pop_metrics()}
             # verl's critic warm-up: the actor updates once step >= trainer.critic_warmup
             update_actor = step >= self.cfg.trainer.critic_warmup
-            old_from_update = update_actor and self._old_logprob_from_update()
+            old_from_update = update_actor and self._old_logprob_from_update(len(batch))
             own = self.actor.first_mini_batch(len(batch), self._n, step) if old_from_update else []
             old_scored = self._score(batch, timings, sync, own)
             with phase("adv", timings, sync):
                 kl_metrics = self._advantages(batch)
-                if not old_from_update:
+                if not old_from_update and not self.bypass:
                     # pi_old / pi_rollout importance weights on the whole batch (verl: same phase)
                     kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out = {}
@@ -210,7 +212,7 @@ class Trainer:
             if update_actor and not self.interleaved:
                 with phase("update_actor", timings, sync):
                     out.update(self.actor.update(batch, self._n, step, old_from_update))
-            if old_from_update:     # metrics only: pi_old came with the update's forward
+            if old_from_update and not self.bypass:   # metrics: pi_old came with the update
                 kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out["training/nan_skipped_updates"] = skipped_updates(
                 out, {"critic": self.critic, "actor": self.actor}, len(batch), self._n,
@@ -221,7 +223,7 @@ class Trainer:
         out.update({f"timing_s/{k}": v for k, v in timings.items()})
         out.update({f"perf/max_memory_allocated_gb/{k}": v / 2**30
                     for k, v in self.phase_peaks.items()})
-        out.update(batch_metrics(batch, self.critic is not None))
+        out.update(batch_metrics(batch, self.critic is not None, probs_diff=not self.bypass))
         out.update(self._perf(batch, timings, old_scored))
         return out
 
@@ -246,11 +248,15 @@ class Trainer:
         if cuda:
             self.phase_peaks[name] = window_peak(self.device)
 
-    def _old_logprob_from_update(self) -> bool:
+    def _old_logprob_from_update(self, num_sequences: int) -> bool:
         """Nothing before the update reads pi_old (no KL in the reward, no rollout importance
         weights): the update's first mini-batch (Actor.first_mini_batch) takes its rows' pi_old from
         its own forward, the weights not yet moved, and the old-log-prob forward skips them;
-        on-policy (one mini-batch, one epoch) all of them, as verl's dp_actor does (ratio 1)."""
+        on-policy (one mini-batch, one epoch) all of them, as verl's dp_actor does (ratio 1).
+        Bypass mode: pi_old is pi_rollout, but on-policy verl's actor takes its own forward's
+        all the same."""
+        if self.bypass:
+            return self.actor.on_policy(num_sequences, self._n)
         return not self.cfg.algorithm.use_kl_in_reward and \
             self.rollout_correction.rollout_is is None
 
@@ -259,7 +265,10 @@ class Trainer:
         here: the actor update's own forward fills them). Returns the rows it scored."""
         phase, own = self._phase, set(own_rows)
         rest = [i for i in range(len(batch)) if i not in own]
-        if own:
+        if self.bypass:     # no old-log-prob forward: pi_old = pi_rollout (the KL in the reward's)
+            batch.tensors["old_logprob"] = bypass_old_logprob(batch)
+            rest = []
+        elif own:
             batch.tensors["old_logprob"] = torch.zeros(len(batch), batch.max_response_length)
         if rest:
             with phase("old_log_prob", timings, sync):
