@@ -14,7 +14,7 @@ from hybridengine.config import load_config, validate_config
 from hybridengine.config.checks import BYPASS_LOSS_TYPES
 from hybridengine.rl import bypass
 from hybridengine.rl.losses import GlobalBatchInfo
-from hybridengine.rl.rollout_correction import RolloutCorrectionConfig
+from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
 
 RC = "algorithm.rollout_correction."
 
@@ -169,3 +169,20 @@ def test_bypass_settings_are_accepted():
     validate_config(cfg, world_size=1)
     assert RolloutCorrectionConfig.from_config(cfg.algorithm.rollout_correction) == \
         RolloutCorrectionConfig("sequence", 2.0, False, True, "reinforce")
+
+
+def test_actor_logs_its_policy_against_the_rollouts_per_micro_batch(tmp_path):
+    """Decoupled mode, as verl's actor (compute_rollout_corr_metrics_from_logprobs): the
+    rollout_corr/ drift metrics are pi_theta's against pi_rollout, a mean over the update's
+    micro-batches, in place of the batch's pi_old against pi_rollout. One micro-batch of an
+    on-policy update: pi_theta is pi_old, the same numbers; two mini-batches: the second's
+    policy has moved."""
+    whole = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=12"
+    metrics, batch, _ = _step(_trainer(tmp_path / "one", whole))
+    of_batch = apply_rollout_correction(batch, RolloutCorrectionConfig())
+    assert "rollout_corr/k3_kl" in of_batch
+    for key, value in of_batch.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    metrics, batch, _ = _step(_trainer(tmp_path / "two", TWO_MINI))
+    of_batch = apply_rollout_correction(batch, RolloutCorrectionConfig())
+    assert abs(metrics["rollout_corr/kl"] - of_batch["rollout_corr/kl"]) > 1e-6

@@ -20,7 +20,8 @@ from hybridengine.train.engine import OptimConfig, TrainEngine
 from hybridengine.rl.bypass import CORR_PREFIX, bypass_policy_loss
 from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_response_tensor, \
     microbatch_plan
-from hybridengine.rl.rollout_correction import RolloutCorrectionConfig
+from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, \
+    compute_offpolicy_metrics, rollout_logprobs_known
 from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_entropy_loss, \
     compute_kl_loss, compute_value_loss, get_policy_loss_fn
 
@@ -164,8 +165,9 @@ class Actor(Role):
         self.loss_scale_factor = a.loss_scale_factor
         self.policy_loss = policy_loss_config(a)
         # bypass mode: pi_old is pi_rollout and verl's bypass-mode loss replaces loss_mode's
+        self.bypass = correction.bypass_mode
         self.policy_loss_fn = bypass_policy_loss(correction, correction.loss_type) \
-            if correction.bypass_mode else get_policy_loss_fn(self.policy_loss.loss_mode)
+            if self.bypass else get_policy_loss_fn(self.policy_loss.loss_mode)
 
     def on_policy(self, num_sequences: int, n: int) -> bool:
         """One mini-batch (the whole batch) and one epoch: verl's dp_actor then takes pi_old
@@ -193,20 +195,23 @@ class Actor(Role):
         which the caller left unscored, zeros (Trainer._score; the metrics that compare pi_old
         with the rollout's log-probs read them after the update)."""
         a = self.cfg
+        # verl's actor logs pi_theta against pi_rollout per micro-batch (in bypass mode its loss)
+        drift = not self.bypass and rollout_logprobs_known(batch)
         fields = ("old_logprob", "advantages") + (("ref_logprob",) if a.use_kl_loss else ()) \
-            + (("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ())
+            + (("rollout_is_weights",) if "rollout_is_weights" in batch.tensors else ()) \
+            + (("rollout_logprob",) if drift else ())
         micro = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz)
         # clip_cov's random token subset: seeded by the step, drawn in the same order on every
         # TP rank of a replica (the same micro-batches, the same log-probs)
         generator = torch.Generator().manual_seed(seed)
         m = yield from self._updating(
             batch, a.ppo_mini_batch_size * n, a.ppo_epochs, a.shuffle, seed, micro, fields,
-            lambda info, scale, own: self._loss(info, scale, generator, own),
+            lambda info, scale, own: self._loss(info, scale, generator, own, drift),
             own_first=old_from_update)
         return {k if k.startswith(CORR_PREFIX) else f"actor/{k}": v for k, v in m.items()}
 
     def _loss(self, info: GlobalBatchInfo, scale: int, generator: torch.Generator,
-              on_policy: bool):
+              on_policy: bool, drift: bool = False):
         a, mode = self.cfg, self.loss_agg_mode
         agg = (info.normalizer(mode), info.loss_scale_factor)
 
@@ -222,6 +227,9 @@ class Actor(Role):
             loss = pg_loss - a.entropy_coeff * ent_loss
             metrics = {"pg_loss": pg_loss.detach() * scale, **pg_metrics,
                        "entropy": ent_loss.detach() * scale}
+            if drift:
+                metrics.update({CORR_PREFIX + k: v for k, v in compute_offpolicy_metrics(
+                    logp.detach(), t["rollout_logprob"], mask).items()})
             if a.use_kl_loss:
                 kl = compute_kl_loss(logp, t["ref_logprob"], mask, a.kl_loss_type, mode, *agg)
                 loss = loss + a.kl_loss_coef * kl

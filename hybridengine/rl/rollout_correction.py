@@ -14,7 +14,9 @@ rank holds it, so no collective is needed), stored as batch.tensors["rollout_is_
 multiply the per-token policy loss of every loss mode (rl.losses). Metrics carry verl's names
 under "rollout_corr/": the weights' statistics (before truncation, as verl) when rollout_is is
 set, and the off-policy diagnostics (KL, perplexities, chi^2) whenever the rollout log-probs are
-known (verl logs them whenever the rollout reports log-probs).
+known (verl logs them whenever the rollout reports log-probs). Where the actor updates, its
+own diagnostics replace those: pi_theta against pi_rollout, per micro-batch (rl.roles, verl's
+compute_rollout_corr_metrics_from_logprobs), as verl's trainer merges the actor's metrics last.
 
 One deliberate difference: per-sequence statistics skip fully masked rows. verl's responses hold
 at least their EOS token; ours can be empty, and an empty row is padding, not a sequence (as in
@@ -177,13 +179,19 @@ def as_floats(metrics: dict) -> dict[str, float]:
     return dict(zip(metrics, torch.stack([torch.as_tensor(v) for v in metrics.values()]).tolist()))
 
 
+def rollout_logprobs_known(batch) -> bool:
+    """The rollout reported its sampling log-prob on every response token of `batch`."""
+    rollout_lp = batch.tensors.get("rollout_logprob")
+    return rollout_lp is not None and not rollout_lp[batch.response_mask.bool()].isnan().any()
+
+
 def apply_rollout_correction(batch, config: RolloutCorrectionConfig) -> dict[str, float]:
     """Sets batch.tensors["rollout_is_weights"] when config.rollout_is is set; returns the
     rollout_corr/ metrics. Needs old_logprob (scored) and rollout_logprob (the rollout's)."""
     t, mask = batch.tensors, batch.response_mask
     rollout_lp = t.get("rollout_logprob")
     valid = mask.bool()
-    known = rollout_lp is not None and not rollout_lp[valid].isnan().any()
+    known = rollout_logprobs_known(batch)
     if config.rollout_is is not None and not known:
         raise ValueError(f"algorithm.rollout_correction.rollout_is={config.rollout_is} needs the "
                          f"rollout's sampling log-probs, which this rollout backend did not report")

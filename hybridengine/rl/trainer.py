@@ -218,8 +218,9 @@ class Trainer:
                 out, {"critic": self.critic, "actor": self.actor}, len(batch), self._n,
                 self.cfg.trainer.nan_policy, step, self.rank)
             self._finish_schedules(update_actor)
-        out.update(gen_metrics, **kl_metrics, **self.generator.pop_metrics(),
-                   **self.residency.pop_metrics())
+        # the actor's rollout_corr/ (pi_theta per micro-batch) over the batch's, as verl merges
+        out = {**gen_metrics, **kl_metrics, **out, **self.generator.pop_metrics(),
+               **self.residency.pop_metrics()}
         out.update({f"timing_s/{k}": v for k, v in timings.items()})
         out.update({f"perf/max_memory_allocated_gb/{k}": v / 2**30
                     for k, v in self.phase_peaks.items()})
@@ -253,8 +254,7 @@ class Trainer:
         weights): the update's first mini-batch (Actor.first_mini_batch) takes its rows' pi_old from
         its own forward, the weights not yet moved, and the old-log-prob forward skips them;
         on-policy (one mini-batch, one epoch) all of them, as verl's dp_actor does (ratio 1).
-        Bypass mode: pi_old is pi_rollout, but on-policy verl's actor takes its own forward's
-        all the same."""
+        Bypass mode: pi_old is pi_rollout, but on-policy verl's actor takes its own forward's."""
         if self.bypass:
             return self.actor.on_policy(num_sequences, self._n)
         return not self.cfg.algorithm.use_kl_in_reward and \
