@@ -13,6 +13,7 @@ from test_on_policy import _step, _trainer
 from hybridengine.config import load_config, validate_config
 from hybridengine.config.checks import BYPASS_LOSS_TYPES
 from hybridengine.rl import bypass
+from hybridengine.rl.console import RunFacts
 from hybridengine.rl.losses import GlobalBatchInfo
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
 
@@ -127,6 +128,8 @@ def test_bypass_on_policy_takes_pi_old_from_the_update_as_verl(tmp_path):
     """One mini-batch, one epoch: verl's actor replaces pi_old (here pi_rollout) by the
     update's own log-probs, detached: the ratio and the IS weights are exactly 1."""
     trainer = _trainer(tmp_path, BYPASS, RC + "loss_type=reinforce", RC + "rollout_is=token")
+    assert "bypass mode (pi_old: the rollout's log-probs; reinforce loss)" in \
+        RunFacts.of(trainer, 0).algorithm                # the start report says so
     metrics, batch, _ = _step(trainer)
     assert trainer.scored == []
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["rollout_corr/kl"] == 0.0

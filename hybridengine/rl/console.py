@@ -186,6 +186,9 @@ class RunFacts:
             kl = f", KL loss {arr.actor.kl_loss_type} x{arr.actor.kl_loss_coef:g}"
         elif cfg.algorithm.use_kl_in_reward:
             kl = f", KL in reward {cfg.algorithm.kl_penalty} x{cfg.algorithm.kl_ctrl.kl_coef:g}"
+        rc = cfg.algorithm.rollout_correction
+        if rc.bypass_mode:      # an approximation a reader of the log should see
+            kl += f", bypass mode (pi_old: the rollout's log-probs; {rc.loss_type} loss)"
         val = f", {len(trainer.val_ds)} val prompts" if trainer.val_ds is not None else ", no val"
         every = [f"validation every {t.test_freq}" if t.test_freq > 0 else "",
                  f"checkpoint every {t.save_freq}" if t.save_freq > 0 else ""]
