@@ -24,7 +24,7 @@ import torch
 from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_policy_loss_vanilla
 from hybridengine.rl.masked_stats import masked_mean
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, \
-    compute_offpolicy_metrics, compute_rollout_is_weights
+    compute_offpolicy_metrics, compute_rollout_is_weights, rollout_logprobs_known
 
 LOSS_TYPES = ("ppo_clip", "reinforce")
 CORR_PREFIX = "rollout_corr/"     # metrics logged under verl's prefix, not the actor's
@@ -70,8 +70,7 @@ def bypass_policy_loss(correction: RolloutCorrectionConfig, loss_type: str):
 def bypass_old_logprob(batch) -> torch.Tensor:
     """pi_old in bypass mode: a copy of the rollout's sampling log-probs [B, R], which the rollout
     must have reported on every response token."""
-    rollout = batch.tensors.get("rollout_logprob")
-    if rollout is None or rollout[batch.response_mask.bool()].isnan().any():
+    if not rollout_logprobs_known(batch):
         raise ValueError("algorithm.rollout_correction.bypass_mode=true needs the rollout's "
                          "sampling log-probs, which this rollout backend did not report")
-    return rollout.clone()
+    return batch.tensors["rollout_logprob"].clone()

@@ -4,7 +4,8 @@ The ``mask`` is 1 on the elements to count and 0 elsewhere (padding, tool/observ
 values at masked-out positions never reach a result, not even NaN or inf. Used by the advantage
 estimators (``advantages``), the KL penalty and controllers (``kl``), the policy/value losses and
 the metrics. Semantics follow verl's ``torch_functional`` (masked_mean of an empty mask is 0,
-masked_var is Bessel-corrected by default).
+masked_var is Bessel-corrected by default). metrics_as_floats reads such statistics, kept on the
+device, back in one transfer.
 """
 
 import torch
@@ -49,3 +50,13 @@ def check_shapes(**tensors: Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
         raise ValueError(f"expected equal [B, R] shapes, got {shapes}")
+
+
+def metrics_as_floats(means: dict) -> dict:
+    """`means` as floats, the device tensors among them read in one transfer (one host sync
+    for a whole update, not one per optimizer step or per statistic)."""
+    on_device = [k for k, v in means.items() if isinstance(v, torch.Tensor)]
+    if on_device:
+        values = torch.stack([means[k] for k in on_device]).tolist()
+        means.update(zip(on_device, values))
+    return means

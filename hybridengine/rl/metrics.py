@@ -8,6 +8,7 @@ import torch
 from hybridengine.device_memory import max_allocated, max_reserved
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.flops import decoder_flops
+from hybridengine.rl.rollout_correction import rollout_logprobs_known
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
@@ -59,8 +60,7 @@ def batch_metrics(batch: Batch, has_critic: bool, probs_diff: bool = True) -> di
         out["critic/vf_explained_var"] = (1.0 - torch.var(returns[valid] - values[valid])
                                           / (var_ret + 1e-5)).item()
     # NaN: the backend does not report the sampling distribution's log-probs (vLLM at T != 1)
-    if probs_diff and "rollout_logprob" in t and "old_logprob" in t and \
-            not t["rollout_logprob"][valid].isnan().any():
+    if probs_diff and "old_logprob" in t and rollout_logprobs_known(batch):
         out.update(rollout_probs_diff(t["rollout_logprob"], t["old_logprob"], valid))
     return out
 

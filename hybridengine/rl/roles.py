@@ -22,6 +22,7 @@ from hybridengine.rl.batch import Batch, build_microbatch, dp_shards, gather_res
     microbatch_plan
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, \
     compute_offpolicy_metrics, rollout_logprobs_known
+from hybridengine.rl.masked_stats import metrics_as_floats
 from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_entropy_loss, \
     compute_kl_loss, compute_value_loss, get_policy_loss_fn
 
@@ -314,13 +315,3 @@ def _mean_metrics(per_step: list[dict]) -> dict:
     """Each key's mean over the optimizer steps, still on the device where the steps' are (no
     host sync before every update of a step has been queued: metrics_as_floats reads them)."""
     return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
-
-
-def metrics_as_floats(means: dict) -> dict:
-    """`means` as floats, the device tensors among them read in one transfer (one host sync
-    for a whole update, not one per optimizer step)."""
-    on_device = [k for k, v in means.items() if isinstance(v, torch.Tensor)]
-    if on_device:
-        values = torch.stack([means[k] for k in on_device]).tolist()
-        means.update(zip(on_device, values))
-    return means

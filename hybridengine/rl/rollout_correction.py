@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridengine.rl.advantages import masked_mean, masked_sum
+from hybridengine.rl.masked_stats import masked_mean, masked_sum, metrics_as_floats
 
 Tensor = torch.Tensor
 
@@ -172,13 +172,6 @@ def compute_offpolicy_metrics(old_log_prob: Tensor, rollout_log_prob: Tensor,
     }
 
 
-def as_floats(metrics: dict) -> dict[str, float]:
-    """0-d tensors (one device, one dtype) as floats, read in one transfer."""
-    if not metrics:
-        return {}
-    return dict(zip(metrics, torch.stack([torch.as_tensor(v) for v in metrics.values()]).tolist()))
-
-
 def rollout_logprobs_known(batch) -> bool:
     """The rollout reported its sampling log-prob on every response token of `batch`."""
     rollout_lp = batch.tensors.get("rollout_logprob")
@@ -207,4 +200,4 @@ def apply_rollout_correction(batch, config: RolloutCorrectionConfig) -> dict[str
             config.rollout_is_batch_normalize)
         t["rollout_is_weights"] = weights
         metrics.update(is_metrics)
-    return {f"rollout_corr/{k}": v for k, v in as_floats(metrics).items()}
+    return {f"rollout_corr/{k}": v for k, v in metrics_as_floats(metrics).items()}
