@@ -197,7 +197,9 @@ class Trainer:
             with phase("adv", timings, sync):
                 kl_metrics = self._advantages(batch)
                 if not old_from_update and not self.bypass:
-                    # pi_old / pi_rollout importance weights on the whole batch (verl: same phase)
+                    # pi_old / pi_rollout importance weights on the whole batch (verl: same phase);
+                    # with pi_old from the update no weights are asked, and the drift metrics
+                    # come from the actor's update (rl.roles)
                     kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out = {}
             if self.interleaved and update_actor:    # critic first in each turn, as verl's order
@@ -212,8 +214,6 @@ class Trainer:
             if update_actor and not self.interleaved:
                 with phase("update_actor", timings, sync):
                     out.update(self.actor.update(batch, self._n, step, old_from_update))
-            if old_from_update and not self.bypass:   # metrics: pi_old came with the update
-                kl_metrics.update(apply_rollout_correction(batch, self.rollout_correction))
             out["training/nan_skipped_updates"] = skipped_updates(
                 out, {"critic": self.critic, "actor": self.actor}, len(batch), self._n,
                 self.cfg.trainer.nan_policy, step, self.rank)
