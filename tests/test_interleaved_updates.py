@@ -123,6 +123,11 @@ def test_a_role_that_offloads_updates_one_after_the_other_and_says_why(tmp_path)
     assert RunFacts.of(tiny_trainer(tmp_path / "off", asked[0], asked[2]), 0).updates is None
 
 
+def _master(trainer, role):
+    """The role's fp32 master weights (one rank: all of them), flat."""
+    return torch.cat([b.master.float() for b in getattr(trainer, role).engine.optimizer.buckets])
+
+
 def _close(got, want, tol):
     return abs(got - want) <= tol * max(abs(want), 1e-3)
 
@@ -153,9 +158,7 @@ def test_interleaved_updates_of_one_batch_match_sequential(tmp_path, device):
     seq.collector.collect = recording
     inter.collector.collect = lambda *args: (copy.deepcopy(batches[-1]), {})
     tol = 0.0 if device == "cpu" else 0.01
-    start = {role: {n: p.detach().float().clone()
-                    for n, p in getattr(seq, role).engine.model.named_parameters()}
-             for role in ("actor", "critic")}
+    start = {role: _master(seq, role).clone() for role in ("actor", "critic")}
     for step in (1, 2):
         m_seq = seq.train_step(step, [4 * step + i for i in range(4)], lambda: None)
         m_inter = inter.train_step(step, [4 * step + i for i in range(4)], lambda: None)
@@ -164,10 +167,10 @@ def test_interleaved_updates_of_one_batch_match_sequential(tmp_path, device):
         bad = [k for k in trained if not _close(m_inter[k], m_seq[k], tol)]
         assert not bad, [(k, m_seq[k], m_inter[k]) for k in bad]
     for role in ("actor", "critic"):
-        a = {n: p.detach() for n, p in getattr(seq, role).engine.model.named_parameters()}
-        b = {n: p.detach() for n, p in getattr(inter, role).engine.model.named_parameters()}
-        moved = sum(float((p.float() - start[role][n]).norm()) for n, p in a.items())
-        assert moved > 0
-        for name, p in a.items():         # within tol of how far the sequential one moved it
-            err = (b[name].float() - p.float()).norm() / (p.float() - start[role][name]).norm()
-            assert not err > tol, (role, name, float(err))
+        # the fp32 master weights: bf16 weights may not move at all in two steps of the
+        # critic's lr 1e-5 (a step below half a bf16 ulp rounds back to the same weight)
+        a, b = _master(seq, role), _master(inter, role)
+        moved = float((a - start[role]).norm())
+        assert moved > 0, role
+        err = float((b - a).norm()) / moved       # within tol of how far the sequential one moved
+        assert not err > tol, (role, err)

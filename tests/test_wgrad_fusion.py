@@ -164,6 +164,9 @@ def test_fused_accumulation_matches_unfused_on_cuda(compile_layers, graphs):
                            compile_layers=compile_layers, cuda_graphs=graphs,
                            wgrad_fusion=fusion)
     plain_hist, plain_grads = train_steps(engine(False))
+    # compiled layers: the fused engine's graphs compile afresh (on the plain one's code objects
+    # they would pile up past dynamo's recompile limit, and the rest would run eager)
+    torch._dynamo.reset()
     fused = engine(True)
     assert fused.wgrad_fused == 4 * fused.cfg.num_layers
     # the engine registered the op's C++ CUDA kernel (csrc/wgrad_accumulation.cpp)
