@@ -45,8 +45,12 @@ def _worker(rank, fn, world_size, port, args, backend="gloo", environ=None):
         dist.destroy_process_group()
 
 
-def run_dist(fn, world_size: int, *args, backend: str = "gloo") -> None:
-    """Run fn(rank, world_size, *args) on `world_size` ranks; re-raises a rank's failure."""
+def run_dist(fn, world_size: int, *args, backend: str = "gloo",
+             start_method: str = "forkserver") -> None:
+    """Run fn(rank, world_size, *args) on `world_size` ranks; re-raises a rank's failure.
+    A forked rank ends in os._exit: no atexit handler and no C++ static destructor runs, so a
+    rank whose libraries clean up only there (vLLM's CPU build unlinks its /dev/shm segments,
+    whose names do not change between runs) needs start_method="spawn"."""
     mp.start_processes(_worker, args=(fn, world_size, free_port(), args, backend,
                                       dict(os.environ)),
-                       nprocs=world_size, join=True, start_method="forkserver")
+                       nprocs=world_size, join=True, start_method=start_method)

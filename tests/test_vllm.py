@@ -258,7 +258,7 @@ def vllm_tp2_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_tp2")
     model_dir = save_tiny_hd32(tmp / "qwen2", "qwen2", tied=True)
     try:
-        run_dist(_mapping_then_parity_rank, 2, model_dir, str(tmp))
+        run_dist(_mapping_then_parity_rank, 2, model_dir, str(tmp), start_method="spawn")
     except Exception as e:                          # noqa: BLE001 - raised by the tests
         return e, tmp
     return None, tmp

@@ -60,4 +60,4 @@ def test_vllm_matches_builtin_and_hf_after_a_training_step(vllm_ok, tmp_path):
     assert _hf_greedy(dirs[1], prompts) != _hf_greedy(str(unscaled), prompts)
     moe_dirs = [save_moe_hd32(tmp_path / f, f) for f in ("qwen3_moe", "mixtral")]
     run_dist(_families_rank, 1, [save_tiny_hd32(tmp_path / "qwen2", "qwen2", tied=True), *dirs],
-             moe_dirs)
+             moe_dirs, start_method="spawn")      # vLLM cleans its /dev/shm up at exit
