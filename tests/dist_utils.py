@@ -28,10 +28,9 @@ multiprocessing.set_forkserver_preload([
     "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"])
 
 
-def _worker(rank, fn, world_size, port, args, backend="gloo", environ=None):
-    if environ is not None:      # the forkserver's environment is that of its start
-        os.environ.clear()
-        os.environ.update(environ)
+def _worker(rank, fn, world_size, port, args, backend, environ):
+    os.environ.clear()              # a forked rank has the forkserver's, of its start
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
