@@ -206,10 +206,11 @@ def _check_forward_batches(cfg: DictConfig, layout: RunLayout) -> Iterator[str]:
             yield f"{stem}_micro_batch_size_per_gpu must be set when {dynamic_key}=false"
 
 
-# actor.policy_loss.loss_mode and rollout_correction.rollout_is: the registries of rl.losses and
-# rl.rollout_correction (tests/test_losses_verl.py keeps them equal; config does not import torch)
+# actor.policy_loss.loss_mode: the names of rl.losses' registry (tests/test_losses_verl.py keeps
+# them equal; config does not import torch). The bypass loss types and the rollout IS levels are
+# read from here by rl.bypass and rl.rollout_correction.
 POLICY_LOSS_MODES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov")
-BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")     # rl.bypass.LOSS_TYPES
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 _RC = "algorithm.rollout_correction."
 

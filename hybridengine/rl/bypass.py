@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from hybridengine.config.checks import BYPASS_LOSS_TYPES as LOSS_TYPES
 from hybridengine.rl.losses import GlobalBatchInfo, PolicyLossConfig, compute_policy_loss_vanilla
 from hybridengine.rl.masked_stats import masked_mean
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, \
     compute_offpolicy_metrics, compute_rollout_is_weights, rollout_logprobs_known
 
-LOSS_TYPES = ("ppo_clip", "reinforce")
 CORR_PREFIX = "rollout_corr/"     # metrics logged under verl's prefix, not the actor's
 
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridengine.config.checks import ROLLOUT_IS_LEVELS as IS_LEVELS
 from hybridengine.rl.masked_stats import masked_mean, masked_sum, metrics_as_floats
 
 Tensor = torch.Tensor
 
-IS_LEVELS = ("token", "sequence")
 SAFETY_BOUND = 20.0   # |log w| cap before exp: exp(20) ~ 4.9e8
 
 
