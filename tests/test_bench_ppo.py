@@ -143,3 +143,20 @@ def test_alternate_interleave_flips_in_abba_order_and_averages_each_side():
              "timing_s/step": 3.0, "interleaved": False}]
     assert bench.means(rows) == {"timing_s/update_critic_actor": 1.0, "timing_s/step": 2.5,
                                  "timing_s/update_critic": 0.5, "timing_s/update_actor": 0.75}
+
+
+def test_alternate_prefill_probe_clears_what_the_runner_keeps():
+    """--alternate-prefill-probe's side b empties the kept peak that the runner's budget reads
+    (a renamed attribute would otherwise leave both sides alike without a word)."""
+    from types import SimpleNamespace
+    from hybridengine.models.decoder import Decoder, ModelConfig
+    from hybridengine.rollout.engine import Engine
+    from hybridengine.rollout.rollout_config import RolloutConfig
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+    engine = Engine(Decoder(cfg), RolloutConfig(max_num_seqs=2, max_model_len=16))
+    engine.runner._prefill_peak = ((16384, 16, 2), 1 << 20)
+    bench.forget_prefill_peak(SimpleNamespace(generator=SimpleNamespace(engine=engine)))
+    assert engine.runner._prefill_peak is None
+    assert "_prefill_peak" in engine.runner._free_bytes_for_cache.__code__.co_names
+    bench.forget_prefill_peak(SimpleNamespace(generator=SimpleNamespace(engine=None)))

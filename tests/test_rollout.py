@@ -407,6 +407,31 @@ def test_free_cache_then_generate_again():
     assert all(len(r.token_ids) == 6 for r in again)
 
 
+def test_cache_budget_keeps_the_prefill_peak_until_the_config_changes(monkeypatch):
+    """gpu_memory_utilization's budget: the prefill probe's peak is measured at the first
+    allocation only (free_cache_engine frees the cache every step); the budget follows what is
+    allocated at each call, and a config of another prefill size, length or row count measures
+    again. (The device calls replaced: the budget is CUDA's; the GPU test runs the real probe.)"""
+    from dataclasses import replace
+    from hybridengine.rollout.kv_cache import DEVICE_RESERVE
+    engine = Engine(_small_vocab_model(), RolloutConfig(max_num_seqs=4, max_model_len=12,
+                                                        gpu_memory_utilization=0.5))
+    runner, total, allocated, measured = engine.runner, 10_000_000, [1_000_000], []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": total}))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated[0])
+    monkeypatch.setattr(runner, "_measure_prefill_peak",
+                        lambda: measured.append(runner.config.max_num_seqs) or 300_000)
+    budget = lambda: int((0.5 - DEVICE_RESERVE) * total - allocated[0] - 300_000)  # noqa: E731
+    assert runner._free_bytes_for_cache() == budget()
+    allocated[0] = 2_500_000                     # more held at the next step's allocation
+    assert runner._free_bytes_for_cache() == budget()
+    assert measured == [4]
+    runner.config = replace(runner.config, max_num_seqs=8)
+    assert runner._free_bytes_for_cache() == budget()
+    assert measured == [4, 8]
+
+
 def test_stats_count_slots_and_the_sequences_that_waited():
     """8 sequences on kv_cache_tokens = 4 rows of 12 (3 slots + the scratch row; the trainer's
     engine is capped by memory instead) run in waves: 3 at once, 5 wait, and SlotUse's warning

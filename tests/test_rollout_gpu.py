@@ -266,3 +266,29 @@ def test_captures_after_free_cache_leave_no_memory_behind():
         torch.cuda.synchronize()
         held.append(torch.cuda.memory_allocated(CUDA))
     assert max(held) - held[0] < (1 << 20), held
+
+
+def test_prefill_peak_is_measured_once_across_free_cache():
+    """The gpu_memory_utilization budget's prefill probe (a full max_prefill_tokens forward)
+    runs at the first cache allocation only: after free_cache() the next generation sizes its
+    cache from the kept peak, to the same slot count, without running the model outside its
+    prefill and decode steps."""
+    model = _small_bf16()
+    engine = Engine(model, RolloutConfig(max_num_seqs=64, max_model_len=128,
+                                         gpu_memory_utilization=0.3))
+    probes = []
+    hook = model.register_forward_hook(
+        lambda module, args, output: probes.append(args[0].input_ids.numel()))
+    prompts, params = _prompts([5, 9], SMALL.vocab_size), SamplingParams(max_tokens=4)
+    try:
+        slots = []
+        for _ in range(3):
+            engine.generate(prompts, params)
+            slots.append(engine.runner.num_slots)
+            engine.free_cache()
+        first, later = probes.count(engine.config.max_prefill_tokens), len(probes)
+    finally:
+        hook.remove()
+    assert first == 1, probes          # the probe's 16k-token forward ran once in three
+    assert later > 1                   # (the hook sees the generations' own forwards too)
+    assert slots[0] == slots[1] == slots[2], slots

@@ -232,12 +232,20 @@ def extra_overrides(args) -> list[str]:
 
 
 def interleaved_at(step: int, warmup: int) -> bool:
-    """--alternate-interleave's switch at `step`: warm-up steps alternate (both paths warm); the
-    timed ones go a b b a a b b a ... (a: interleaved), so that a drift across the run (clocks,
-    the host) weighs on both alike."""
+    """An --alternate-* switch at `step` (True: side a): warm-up steps alternate (both paths
+    warm); the timed ones go a b b a a b b a ..., so that a drift across the run (clocks, the
+    host) weighs on both alike."""
     if step <= warmup:
         return step % 2 == 1
     return (step - warmup - 1) % 4 in (0, 3)
+
+
+def forget_prefill_peak(trainer) -> None:
+    """--alternate-prefill-probe's side b: the built-in rollout measures its prefill's peak again
+    at its next cache allocation (as every step did before session 37)."""
+    engine = trainer.generator.engine
+    if engine is not None and hasattr(engine, "runner"):
+        engine.runner._prefill_peak = None
 
 
 def means(rows: list[dict]) -> dict:
@@ -397,8 +405,11 @@ def run(args) -> dict:
     compile_steps: dict[str, float] = {}
     gc_pauses, gc_by_step = GcPauses(), {}
     for step in range(1, args.warmup + args.steps + 1):
+        side_a = interleaved_at(step, args.warmup)
         if args.alternate_interleave:
-            trainer.interleaved = interleaved_at(step, args.warmup)
+            trainer.interleaved = side_a
+        if args.alternate_prefill_probe and not side_a:
+            forget_prefill_peak(trainer)
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
@@ -420,6 +431,8 @@ def run(args) -> dict:
                 steps[-1].update(interleaved=trainer.interleaved, **{"timing_s/updates": m.get(
                     "timing_s/update_critic_actor",
                     m.get("timing_s/update_critic", 0) + m.get("timing_s/update_actor", 0))})
+            if args.alternate_prefill_probe:
+                steps[-1]["prefill_peak_kept"] = side_a
             # on stderr as it happens: a run cut by its time limit still leaves its figures
             log(f"step {step} metrics: {json.dumps(steps[-1])}")
         if args.val_every and step % args.val_every == 0:
@@ -446,6 +459,9 @@ def run(args) -> dict:
     alternate = {"interleaved": means([s for s in steps if s["interleaved"]]),
                  "sequential": means([s for s in steps if not s["interleaved"]])} \
         if args.alternate_interleave else None
+    probe = {"kept": means([s for s in steps if s["prefill_peak_kept"]]),
+             "measured_each_step": means([s for s in steps if not s["prefill_peak_kept"]])} \
+        if args.alternate_prefill_probe else None
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
             "model": "stories260k" if args.tiny else model_name(args.model),
@@ -467,6 +483,7 @@ def run(args) -> dict:
             "val_s": val_s, "mean": mean, "steps": steps,
             **memory_check(trainer, peak_gb, phase_gb),
             **({"alternate_interleave": alternate} if alternate is not None else {}),
+            **({"alternate_prefill_probe": probe} if probe is not None else {}),
             **({"profile": profile} if profile is not None else {}),
             **({"host_profile": host} if host is not None else {})}
 
@@ -507,6 +524,11 @@ def main():
     ap.add_argument("--alternate-interleave", action="store_true",
                     help="a same-run A/B of trainer.interleave_updates: the switch flips between "
                          "steps (timed ones a b b a ...); the JSON's alternate_interleave holds "
+                         "each side's means")
+    ap.add_argument("--alternate-prefill-probe", action="store_true",
+                    help="a same-run A/B of the rollout's prefill-peak probe: kept from the "
+                         "first step (a) or measured again at the step's cache allocation (b, "
+                         "the code before session 37); the JSON's alternate_prefill_probe holds "
                          "each side's means")
     ap.add_argument("--profile", action="store_true", help="kernel table per phase of a step")
     ap.add_argument("--host-profile", action="store_true",

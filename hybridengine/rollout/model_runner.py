@@ -86,6 +86,7 @@ class ModelRunner:
                                                            self.device, self.dtype, heads)
         self.cache: KVCache | None = None
         self.state: SlotState | None = None
+        self._prefill_peak: tuple | None = None       # (config key, bytes): _free_bytes_for_cache
         # sampler parameters: device tensors, so that one graph serves every value
         self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
         self.top_p = torch.ones(1, dtype=torch.float32, device=self.device)
@@ -166,8 +167,24 @@ class ModelRunner:
 
     def _free_bytes_for_cache(self) -> int:
         """gpu_memory_utilization · device memory, minus what is allocated now and the peak of a
-        full prefill step plus sampling max_num_seqs rows (measured)."""
+        full prefill step plus sampling max_num_seqs rows (measured once: see _prefill_peak)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
+        # the allocator's count is the host's own: exact without waiting for the device
+        base = torch.cuda.memory_allocated(self.device)
+        c = self.config
+        key = (c.max_prefill_tokens, self.max_model_len, c.max_num_seqs)
+        if self._prefill_peak is None or self._prefill_peak[0] != key:
+            self._prefill_peak = (key, self._measure_prefill_peak())
+        return int((c.gpu_memory_utilization - DEVICE_RESERVE) * total - base
+                   - self._prefill_peak[1])
+
+    def _measure_prefill_peak(self) -> int:
+        """Bytes a prefill of max_prefill_tokens plus sampling max_num_seqs rows allocate above
+        what is allocated before it. It depends on the model's shapes and the config only, so
+        one measurement serves every later allocation: measured at every one (free_cache_engine
+        frees the cache each step), it was an eager 16k-token forward and two device waits
+        inside each step's rollout (~45 ms of kernels at 0.5B on an H100, bench/RESULTS.md
+        session 37)."""
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         reset_peak(self.device)            # (the run's peak is carried: device_memory)
@@ -185,8 +202,7 @@ class ModelRunner:
                    self.kernel_settings)
             del h, rows
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        return int((c.gpu_memory_utilization - DEVICE_RESERVE) * total - base - peak)
+        return torch.cuda.max_memory_allocated(self.device) - base
 
     # --- per generate call ------------------------------------------------------------------
     def begin(self, params: SamplingParams, num_seqs: int, max_gen: int) -> None:
