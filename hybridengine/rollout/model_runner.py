@@ -183,8 +183,8 @@ class ModelRunner:
         what is allocated before it. It depends on the model's shapes and the config only, so
         one measurement serves every later allocation: measured at every one (free_cache_engine
         frees the cache each step), it was an eager 16k-token forward and two device waits
-        inside each step's rollout (~45 ms of kernels at 0.5B on an H100, bench/RESULTS.md
-        session 37)."""
+        inside each step's rollout: 49 ms of the PPO seed step's generation on an H100
+        (bench/RESULTS.md session 37)."""
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         reset_peak(self.device)            # (the run's peak is carried: device_memory)
