@@ -135,8 +135,8 @@ def test_plan_for_one_h200_picks_free_gradients_and_the_host_step(monkeypatch, c
 def test_alternate_interleave_flips_in_abba_order_and_averages_each_side():
     """--alternate-interleave: warm-up steps alternate (both paths compiled and warm), the timed
     ones go a b b a a b b a, and each side's means take the keys its steps have."""
-    assert [bench.interleaved_at(s, 3) for s in range(1, 4)] == [True, False, True]
-    assert [bench.interleaved_at(s, 3) for s in range(4, 12)] == \
+    assert [bench.side_a_at(s, 3) for s in range(1, 4)] == [True, False, True]
+    assert [bench.side_a_at(s, 3) for s in range(4, 12)] == \
         [True, False, False, True, True, False, False, True]
     rows = [{"timing_s/update_critic_actor": 1.0, "timing_s/step": 2.0, "interleaved": True},
             {"timing_s/update_critic": 0.5, "timing_s/update_actor": 0.75,

@@ -231,7 +231,7 @@ def extra_overrides(args) -> list[str]:
     return ov
 
 
-def interleaved_at(step: int, warmup: int) -> bool:
+def side_a_at(step: int, warmup: int) -> bool:
     """An --alternate-* switch at `step` (True: side a): warm-up steps alternate (both paths
     warm); the timed ones go a b b a a b b a ..., so that a drift across the run (clocks, the
     host) weighs on both alike."""
@@ -405,7 +405,7 @@ def run(args) -> dict:
     compile_steps: dict[str, float] = {}
     gc_pauses, gc_by_step = GcPauses(), {}
     for step in range(1, args.warmup + args.steps + 1):
-        side_a = interleaved_at(step, args.warmup)
+        side_a = side_a_at(step, args.warmup)
         if args.alternate_interleave:
             trainer.interleaved = side_a
         if args.alternate_prefill_probe and not side_a:
