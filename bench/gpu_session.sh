@@ -184,7 +184,8 @@ for p in $parts; do case $p in
            # (<run>_<AB_NAME><i> / <run>_base<i>), in AB_ORDER (default abba); PPO_STEPS timed
            # steps, no profile (PPO_PROFILE to add one). trainer.interleave_updates flips between
            # steps of one run instead (no second compile; drift falls on both sides): PPO_STEPS=8
-           # PPO_PROFILE= PPO_ARGS=--alternate-interleave TAG=_alt ONLY=ppo_seed ... ppo
+           # PPO_PROFILE= PPO_ARGS=--alternate-interleave TAG=_alt ONLY=ppo_seed ... ppo; so do
+           # --alternate-prefill-probe and --alternate-wgrad-fusion (tools/bench_ppo.py)
            sets=""; for kv in ${AB_SET:?AB_SET=key=value ...}; do sets="$sets --set $kv"; done
            order=${AB_ORDER:-abba}
            for (( i = 0; i < ${#order}; i++ )); do case ${order:i:1} in

@@ -160,3 +160,22 @@ def test_alternate_prefill_probe_clears_what_the_runner_keeps():
     assert engine.runner._prefill_peak is None
     assert "_prefill_peak" in engine.runner._free_bytes_for_cache.__code__.co_names
     bench.forget_prefill_peak(SimpleNamespace(generator=SimpleNamespace(engine=None)))
+
+
+def test_alternate_wgrad_fusion_switches_the_fused_layers_of_both_roles():
+    """--alternate-wgrad-fusion builds both roles fused (its overrides) and flips exactly the
+    layers that fuse: those of the actor and of the critic, no other."""
+    from types import SimpleNamespace
+    from hybridengine.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    args = bench.argparse.Namespace(set=["a=1"], offload="", lora=0, alternate_wgrad_fusion=True)
+    assert bench.extra_overrides(args) == [
+        "a=1", "actor_rollout_ref.actor.megatron.gradient_accumulation_fusion=true",
+        "critic.megatron.gradient_accumulation_fusion=true"]
+    actor = torch.nn.Sequential(ColumnParallelLinear(4, 8), RowParallelLinear(8, 4))
+    critic = torch.nn.Sequential(ColumnParallelLinear(4, 8), RowParallelLinear(8, 4))
+    actor[0].fuse_wgrad = actor[1].fuse_wgrad = critic[1].fuse_wgrad = True
+    role = lambda model: SimpleNamespace(engine=SimpleNamespace(model=model))  # noqa: E731
+    trainer = SimpleNamespace(actor=role(actor), critic=role(critic))
+    assert bench.fused_linears(trainer) == [actor[0], actor[1], critic[1]]
+    assert bench.fused_linears(SimpleNamespace(actor=role(actor), critic=None)) == \
+        [actor[0], actor[1]]

@@ -69,6 +69,33 @@ def test_fused_linear_gives_f_linear_outputs_and_gradients(backend, one_thread):
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
 
 
+def test_switching_fusion_off_at_run_time_takes_the_unfused_path_when_compiled(one_thread):
+    """The layers read fuse_wgrad at each forward, and a compiled module guards on it: switched
+    off between steps (tools/bench_ppo.py --alternate-wgrad-fusion's side b), the same compiled
+    layers give autograd's .grad (the optimizer's hook path) and leave main_grad alone; switched
+    on again, main_grad takes the gradient and no .grad is made."""
+    torch.manual_seed(0)
+    block = _Block()
+    weights = [block.up.weight, block.down.weight]
+    for w in weights:
+        w.main_grad = torch.zeros_like(w)
+    run = torch.compile(block, backend="aot_eager", dynamic=True)
+    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for fuse in (True, False, True):
+        block.up.fuse_wgrad = block.down.fuse_wgrad = fuse
+        for w in weights:
+            w.grad = None
+            w.main_grad.zero_()
+        run(x).square().sum().backward()
+        for w in weights:
+            assert (w.grad is None) == fuse
+            assert bool(w.main_grad.abs().sum() > 0) == fuse
+        grads.append([(w.main_grad if fuse else w.grad).clone() for w in weights])
+    for on, off in zip(grads[0], grads[1]):         # the same gradients either way
+        torch.testing.assert_close(on, off, rtol=1e-12, atol=1e-12)
+
+
 def test_plain_linear_where_there_is_nothing_to_fuse():
     """No main_grad, a frozen weight, or no grad mode: F.linear (the weight's .grad, if any, as
     autograd makes it)."""

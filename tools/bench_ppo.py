@@ -218,6 +218,9 @@ PHASES = ["rollout", "prefill", "decode", "reshard", "old_log_prob", "ref", "val
 
 def extra_overrides(args) -> list[str]:
     ov = list(args.set)
+    if args.alternate_wgrad_fusion:         # built fused; side b turns the layers' switch off
+        ov += [f"{role}.megatron.gradient_accumulation_fusion=true"
+               for role in ("actor_rollout_ref.actor", "critic")]
     for part in filter(None, args.offload.split(",")):
         if part not in OFFLOAD_FLAGS:
             raise SystemExit(f"--offload {part!r}: choose from {', '.join(OFFLOAD_FLAGS)}")
@@ -246,6 +249,14 @@ def forget_prefill_peak(trainer) -> None:
     engine = trainer.generator.engine
     if engine is not None and hasattr(engine, "runner"):
         engine.runner._prefill_peak = None
+
+
+def fused_linears(trainer) -> list:
+    """The linear layers whose weight gradient the engines accumulate into main_grad
+    (gradient_accumulation_fusion: parallel.wgrad_accumulation), both trained roles'."""
+    roles = [r for r in (trainer.actor, trainer.critic) if r is not None]
+    return [m for r in roles for m in r.engine.model.modules()
+            if getattr(m, "fuse_wgrad", False)]
 
 
 def means(rows: list[dict]) -> dict:
@@ -399,6 +410,12 @@ def run(args) -> dict:
         _draw_response_lengths(trainer, args.response_lengths)
     if args.alternate_interleave and trainer.not_interleaved:
         raise SystemExit(f"--alternate-interleave: {trainer.not_interleaved}")
+    # side b of --alternate-wgrad-fusion: the same layers on the unfused path (a bf16 weight
+    # gradient that the optimizer's hook adds), read by the layer at each forward
+    fused = fused_linears(trainer) if args.alternate_wgrad_fusion else []
+    if args.alternate_wgrad_fusion and not fused:
+        raise SystemExit("--alternate-wgrad-fusion: no linear layer fuses its weight gradient "
+                         "(it needs trained weights that an optimizer gives a main_grad)")
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     compile_records: list[str] = []
@@ -410,6 +427,8 @@ def run(args) -> dict:
             trainer.interleaved = side_a
         if args.alternate_prefill_probe and not side_a:
             forget_prefill_peak(trainer)
+        for layer in fused:
+            layer.fuse_wgrad = side_a
         t0 = time.perf_counter()
         m = trainer.train_step(step, next(batches), lambda: next(batches, None))
         step_s[step], compile_s[step] = m["timing_s/step"], m.get("timing_s/compile", 0.0)
@@ -433,6 +452,8 @@ def run(args) -> dict:
                     m.get("timing_s/update_critic", 0) + m.get("timing_s/update_actor", 0))})
             if args.alternate_prefill_probe:
                 steps[-1]["prefill_peak_kept"] = side_a
+            if fused:
+                steps[-1]["wgrad_fused"] = side_a
             # on stderr as it happens: a run cut by its time limit still leaves its figures
             log(f"step {step} metrics: {json.dumps(steps[-1])}")
         if args.val_every and step % args.val_every == 0:
@@ -462,6 +483,9 @@ def run(args) -> dict:
     probe = {"kept": means([s for s in steps if s["prefill_peak_kept"]]),
              "measured_each_step": means([s for s in steps if not s["prefill_peak_kept"]])} \
         if args.alternate_prefill_probe else None
+    wgrad = {"fused": means([s for s in steps if s["wgrad_fused"]]),
+             "unfused": means([s for s in steps if not s["wgrad_fused"]]),
+             "fused_linears": len(fused)} if fused else None
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
             "model": "stories260k" if args.tiny else model_name(args.model),
@@ -484,6 +508,7 @@ def run(args) -> dict:
             **memory_check(trainer, peak_gb, phase_gb),
             **({"alternate_interleave": alternate} if alternate is not None else {}),
             **({"alternate_prefill_probe": probe} if probe is not None else {}),
+            **({"alternate_wgrad_fusion": wgrad} if wgrad is not None else {}),
             **({"profile": profile} if profile is not None else {}),
             **({"host_profile": host} if host is not None else {})}
 
@@ -530,6 +555,10 @@ def main():
                          "first step (a) or measured again at the step's cache allocation (b, "
                          "the code before session 37); the JSON's alternate_prefill_probe holds "
                          "each side's means")
+    ap.add_argument("--alternate-wgrad-fusion", action="store_true",
+                    help="a same-run A/B of gradient_accumulation_fusion (turned on for both "
+                         "roles): fused (a) or the unfused path in the same layers (b); the "
+                         "JSON's alternate_wgrad_fusion holds each side's means")
     ap.add_argument("--profile", action="store_true", help="kernel table per phase of a step")
     ap.add_argument("--host-profile", action="store_true",
                     help="one more step under cProfile and CUDA's sync debug mode: the host's "
