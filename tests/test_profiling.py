@@ -120,7 +120,10 @@ def test_kernel_categories():
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert category("flash_fwd_splitkv_kernel") == "attention"
     assert category("void at::native::elementwise_kernel<copy>") == "copy"
-    assert category("triton_poi_fused_silu_mul_0") == "other"
+    assert category("triton_poi_fused_silu_mul_0") == "fused"
+    assert category("triton_poi_fused_cat_mul_silu_silu_backward_split_0") == "fused"
+    assert category("triton_red_fused__to_copy_add_index_put_0") == "fused"
+    assert category("_split_kernel") == "other"
 
 
 def test_bench_ppo_profiles_every_phase_with_offload(bench_ppo_tiny):

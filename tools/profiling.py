@@ -31,6 +31,10 @@ CATEGORIES = (
     ("comm", re.compile(r"nccl|c10d|all_?gather|reduce_?scatter|all_?reduce|broadcast", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|xmma|cublas|nvjet|matmul|\bmm\b|addmm|linear", re.I)),
+    # inductor's fused pointwise / reduction kernels name the ops they fuse: "cat" or "copy" in
+    # triton_poi_fused_cat_mul_silu_silu_backward_split_0 made that 42 ms of an update "copy"
+    # (bench/RESULTS.md session 37)
+    ("fused", re.compile(r"^triton_(poi|per|red)_")),
     ("copy", re.compile(r"copy|memcpy|memset|cat|index|gather|scatter|fill", re.I)),
 )
 
