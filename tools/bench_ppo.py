@@ -416,6 +416,10 @@ def run(args) -> dict:
     if args.alternate_wgrad_fusion and not fused:
         raise SystemExit("--alternate-wgrad-fusion: no linear layer fuses its weight gradient "
                          "(it needs trained weights that an optimizer gives a main_grad)")
+    if fused and any(r is not None and r.engine.graphs is not None
+                     for r in (trainer.actor, trainer.critic)):
+        raise SystemExit("--alternate-wgrad-fusion: training CUDA graphs replay the path they "
+                         "captured; run it without use_cuda_graph")
     batches = iter(trainer.sampler)
     steps, step_s, compile_s, val_s, peak_gb, phase_gb = [], {}, {}, {}, None, {}
     compile_records: list[str] = []
