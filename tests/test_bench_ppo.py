@@ -143,6 +143,9 @@ def test_alternate_interleave_flips_in_abba_order_and_averages_each_side():
              "timing_s/step": 3.0, "interleaved": False}]
     assert bench.means(rows) == {"timing_s/update_critic_actor": 1.0, "timing_s/step": 2.5,
                                  "timing_s/update_critic": 0.5, "timing_s/update_actor": 0.75}
+    assert bench.side_means(rows, "interleaved", "a", "b") == {
+        "a": {"timing_s/update_critic_actor": 1.0, "timing_s/step": 2.0},
+        "b": {"timing_s/update_critic": 0.5, "timing_s/update_actor": 0.75, "timing_s/step": 3.0}}
 
 
 def test_alternate_prefill_probe_clears_what_the_runner_keeps():

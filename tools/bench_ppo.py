@@ -259,6 +259,12 @@ def fused_linears(trainer) -> list:
             if getattr(m, "fuse_wgrad", False)]
 
 
+def side_means(steps: list[dict], flag: str, a: str, b: str) -> dict:
+    """An --alternate-* run's means of each side: {a: the steps whose `flag` is true, b: the
+    others}."""
+    return {a: means([s for s in steps if s[flag]]), b: means([s for s in steps if not s[flag]])}
+
+
 def means(rows: list[dict]) -> dict:
     """Each numeric key's mean over the rows that have it (the phases differ between the
     interleaved and the sequential steps)."""
@@ -481,15 +487,12 @@ def run(args) -> dict:
         log(f"host profile of one more step: {sum(host['syncs'].values())} synchronising calls")
     shutil.rmtree(work, ignore_errors=True)
     mean = means(steps)
-    alternate = {"interleaved": means([s for s in steps if s["interleaved"]]),
-                 "sequential": means([s for s in steps if not s["interleaved"]])} \
+    alternate = side_means(steps, "interleaved", "interleaved", "sequential") \
         if args.alternate_interleave else None
-    probe = {"kept": means([s for s in steps if s["prefill_peak_kept"]]),
-             "measured_each_step": means([s for s in steps if not s["prefill_peak_kept"]])} \
+    probe = side_means(steps, "prefill_peak_kept", "kept", "measured_each_step") \
         if args.alternate_prefill_probe else None
-    wgrad = {"fused": means([s for s in steps if s["wgrad_fused"]]),
-             "unfused": means([s for s in steps if not s["wgrad_fused"]]),
-             "fused_linears": len(fused)} if fused else None
+    wgrad = dict(side_means(steps, "wgrad_fused", "fused", "unfused"),
+                 fused_linears=len(fused)) if fused else None
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "workload": "tiny" if args.tiny else args.workload,
             "model": "stories260k" if args.tiny else model_name(args.model),
