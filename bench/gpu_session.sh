@@ -247,14 +247,14 @@ for p in $parts; do case $p in
            # (models/stories260k) with GRPO, then PPO (critic, GAE, 4 mini-batches an update),
            # one process, responses of up to RT_LEN tokens (the model stops where it chooses);
            # RT_EXTRA: more overrides for both (e.g. actor_rollout_ref.rollout.kv_layout=paged),
-           # RT_TAG: a suffix for their names
+           # RT_TAG: a suffix for their names, RT_ALGOS: a subset (e.g. grpo)
            rt="trainer.device=cuda actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1
                data.max_response_length=${RT_LEN:-448} trainer.total_training_steps=${RT_STEPS:-10}
                trainer.save_freq=-1 trainer.test_freq=5 ${RT_EXTRA:-}"
            ppo="algorithm.adv_estimator=gae actor_rollout_ref.rollout.n=1 data.train_batch_size=64
                 actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
                 critic.optim.lr=1e-3 critic.ppo_micro_batch_size_per_gpu=8"
-           for algo in grpo ppo; do
+           for algo in ${RT_ALGOS:-grpo ppo}; do
              extra=; [ $algo = ppo ] && extra=$ppo; name=realtext_$algo${RT_TAG:-}
              timeout "${T:-200}" torchrun --nproc_per_node=1 launch/ppo.py $rt $extra \
                trainer.default_local_dir=/tmp/$name > "$RES/$name.log" 2>&1
