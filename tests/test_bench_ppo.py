@@ -46,6 +46,10 @@ def test_tiny_run_reports_the_memory_plan(bench_ppo_tiny):
     # each step's garbage collections: counts and milliseconds per generation
     assert set(out["gc_by_step"]) == {"1"} and set(out["gc_by_step"]["1"]) == {"collections", "ms"}
     assert len(out["gc_by_step"]["1"]["collections"]) == 3
+    # trainer.gc_freeze_freq froze what lived after step 1: one full collection, both ways
+    gc_full = out["gc_full_collection"]
+    assert gc_full["frozen_objects"] > 0 and gc_full["tracked_objects"] >= gc_full["frozen_objects"]
+    assert 0 <= gc_full["frozen_ms"] < gc_full["unfrozen_ms"]
 
 
 def test_tiny_run_draws_response_lengths_and_logs_its_phases(bench_ppo_tiny):

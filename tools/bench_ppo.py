@@ -74,7 +74,7 @@ from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
 from hybridengine.rl.trainer import Trainer  # noqa: E402
 from hybridengine.train.compile_layers import layer_group_size  # noqa: E402
 from bench_memory import memory_check, phase_peaks  # noqa: E402
-from profiling import GcPauses, host_diagnosis, profile_ranges  # noqa: E402
+from profiling import GcPauses, full_collection_ms, host_diagnosis, profile_ranges  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 KEYS = ["perf/throughput", "perf/time_per_step", "perf/mfu", "perf/mfu/update_actor",
@@ -472,6 +472,8 @@ def run(args) -> dict:
             val_s[step] = time.perf_counter() - t0
             log(f"validation after step {step}: {val_s[step]:.2f} s")
     gc_pauses.close()
+    gc_full = full_collection_ms()          # trainer.gc_freeze_freq's effect on one collection
+    log(f"one full collection: {gc_full}")
     extra_steps = itertools.count(step + 1)      # the untimed, diagnosed steps after them
 
     def one_more_step():
@@ -510,7 +512,7 @@ def run(args) -> dict:
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
             "compile_records_step1": compile_records, "compile_timers_step1": compile_steps,
-            "gc_by_step": gc_by_step,
+            "gc_by_step": gc_by_step, "gc_full_collection": gc_full,
             "val_s": val_s, "mean": mean, "steps": steps,
             **memory_check(trainer, peak_gb, phase_gb),
             **({"alternate_interleave": alternate} if alternate is not None else {}),

@@ -293,6 +293,7 @@ class TrainerConfig:
     nan_policy: str
     critic_warmup: int
     interleave_updates: bool
+    gc_freeze_freq: int
     hybrid_engine: HybridEngineSection
 
 

@@ -222,6 +222,15 @@ class RunFacts:
                              t.resume_from_path if t.resume_mode == "resume_path" else None))
 
 
+def data_ran_out_line(step: int, total_steps: int, sampler) -> str:
+    """The warning when the prompts end before trainer.total_training_steps."""
+    s = sampler
+    return (f"warning: stopped after step {step} of trainer.total_training_steps={total_steps}: "
+            f"the data gives {len(s)} batches ({s.num_samples} prompts // data.gen_batch_size="
+            f"{s.batch_size} = {s.num_batches_per_epoch} per epoch x trainer.total_epochs="
+            f"{s.total_epochs})")
+
+
 def start_text(start_step: int, total_steps: int, resume_path: str | None = None) -> str:
     """fresh / resumed from global_step_N / already complete (global_step_N of M)."""
     if start_step == 0:

@@ -25,10 +25,11 @@ from hybridengine.train import checkpoint as ckpt
 from hybridengine.parallel.mesh import Meshes, build_meshes
 from hybridengine.rl.advantages import apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridengine.rl.batch import Batch
-from hybridengine.rl.console import RunFacts, header_lines
+from hybridengine.rl.console import RunFacts, data_ran_out_line, header_lines
 from hybridengine.rl.data import PromptDataset, ResumableSampler, load_rows, load_tokenizer
 from hybridengine.hybrid.generator import Generator
 from hybridengine.rl.checkpointing import RunCheckpoints
+from hybridengine.rl.gc_freeze import GcFreeze
 from hybridengine.rl.guards import Phases, inject_faults, skipped_updates
 from hybridengine.models.lora import LoRAConfig
 from hybridengine.rl.metrics import batch_metrics, perf_metrics, step_flops
@@ -82,6 +83,7 @@ class Trainer:
             group=meshes.world)
         self.phases = Phases(self.rank, cfg.trainer.collective_timeout_s)
         self.phase_peaks: dict[str, int] = {}   # this step's device peak per phase (CUDA)
+        self.gc_freeze = GcFreeze(t.gc_freeze_freq)   # full collections between steps only
         torch.manual_seed(cfg.trainer.seed)
         model = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
@@ -187,8 +189,8 @@ class Trainer:
                           f"nothing to train on, update skipped", flush=True)
                 batch, gen_metrics["response_length/mean"] = None, 0.0
             if batch is None:              # DAPO: no informative group within the budget
-                return {**gen_metrics, **self.generator.pop_metrics(),
-                        **self.residency.pop_metrics()}
+                return self._gc_after(step, {**gen_metrics, **self.generator.pop_metrics(),
+                                             **self.residency.pop_metrics()})
             # verl's critic warm-up: the actor updates once step >= trainer.critic_warmup
             update_actor = step >= self.cfg.trainer.critic_warmup
             old_from_update = update_actor and self._old_logprob_from_update(len(batch))
@@ -226,7 +228,10 @@ class Trainer:
                     for k, v in self.phase_peaks.items()})
         out.update(batch_metrics(batch, self.critic is not None, probs_diff=not self.bypass))
         out.update(self._perf(batch, timings, old_scored))
-        return out
+        return self._gc_after(step, out)
+
+    def _gc_after(self, step: int, out: dict) -> dict:
+        return {**out, **self.gc_freeze.after_step(step, out.get("timing_s/compile", 0.0))}
 
     @property
     def _n(self) -> int:
@@ -341,6 +346,7 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            self.gc_freeze.close()
             if self.run_lock is not None:
                 self.run_lock.release()
 
@@ -365,7 +371,8 @@ class Trainer:
         while step < self.total_steps:
             indices = next(batches, None)
             if indices is None:
-                self._say_data_ran_out(step)
+                if self.rank == 0:
+                    print(data_ran_out_line(step, self.total_steps, self.sampler), flush=True)
                 break
             step = self.phases.step = step + 1
             inject_faults(step, self.rank, self.world)
@@ -390,11 +397,3 @@ class Trainer:
             print(f"{done}metrics: {self.root / 'metrics.jsonl'}\ncheckpoints: {self.root}",
                   flush=True)
         return last_val
-
-    def _say_data_ran_out(self, step: int) -> None:
-        s = self.sampler
-        if self.rank == 0:
-            print(f"warning: stopped after step {step} of trainer.total_training_steps="
-                  f"{self.total_steps}: the data gives {len(s)} batches ({s.num_samples} prompts "
-                  f"// data.gen_batch_size={s.batch_size} = {s.num_batches_per_epoch} per epoch "
-                  f"x trainer.total_epochs={s.total_epochs})", flush=True)
