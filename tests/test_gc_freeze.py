@@ -39,7 +39,7 @@ def test_alive_objects_leave_the_collected_generations_and_later_garbage_is_coll
     policy = GcFreeze(freq=100)
     kept = Node()
     metrics = policy.after_step(1, 0.0)
-    assert metrics["host/gc_frozen_objects"] == gc.get_freeze_count() > 0
+    assert metrics["perf/gc_frozen_objects"] == gc.get_freeze_count() > 0
     assert metrics["timing_s/gc_freeze"] >= 0
     assert not any(o is kept for o in gc.get_objects())      # frozen: no collection scans it
     # garbage made after the freeze is Python's automatic collector's as before
@@ -76,7 +76,7 @@ def test_the_trainer_freezes_after_its_first_step_and_fit_unfreezes(tmp_path):
     trainer = tiny_trainer(tmp_path / "run", "trainer.total_training_steps=2")
     first = trainer.train_step(1, [0, 1, 2, 3], lambda: None)
     second = trainer.train_step(2, [0, 1, 2, 3], lambda: None)
-    assert first["host/gc_frozen_objects"] > 0 and "timing_s/gc_freeze" in first
+    assert first["perf/gc_frozen_objects"] > 0 and "timing_s/gc_freeze" in first
     assert "timing_s/gc_freeze" not in second            # nothing compiled: not due
     off = tiny_trainer(tmp_path / "off", "trainer.gc_freeze_freq=0")
     gc.unfreeze()

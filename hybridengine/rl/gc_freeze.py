@@ -52,7 +52,7 @@ class GcFreeze:
         gc.freeze()
         self.done_once = True
         return {"timing_s/gc_freeze": time.perf_counter() - t0,
-                "host/gc_frozen_objects": float(gc.get_freeze_count())}
+                "perf/gc_frozen_objects": float(gc.get_freeze_count())}
 
     def close(self) -> None:
         """Objects go back to the collector (a process that goes on after the run)."""
