@@ -15,10 +15,12 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HYBRIDENGINE_NO_PROGRESS=1
 ls .whl/*.whl > /dev/null 2>&1 && pip install -q --no-deps --target /tmp/site .whl/*.whl
 OUT=${OUT:-/tmp/out}; RES=/tmp/gpu_results; mkdir -p "$OUT" "$RES"
 # Compilation is most of a short benchmark's time (the rollout's 130-170 s warm-up at 0.5B):
-# inductor's and Triton's caches live in one folder that a call brings back, gzipped in parts
-# of 15 MB ($OUT/compile_cache.tgz.part-aa, -ab, ...: a returned file has at most 16 MiB; in
+# inductor's and Triton's caches live in one folder that a call brings back, compressed in parts
+# of 15 MB ($OUT/compile_cache.txz.part-aa, -ab, ...: a returned file has at most 16 MiB; in
 # all what a call's 64 MiB leave beside the tree: pack_cache), and a later call, another
-# machine of the same image, may carry in as .compile_cache/compile_cache.tgz.part-*.
+# machine of the same image, may carry in as .compile_cache/compile_cache.{txz,tgz}.part-*.
+# xz where the machine has it: session 37's cache, 174 MB unpacked, is 34.5 MB gzipped and
+# 10.6 MB as xz -6 (compiled .so files and cubins repeat a lot), so it fits beside the tree again.
 # Measured: GRPO 1.5B's first step compiled in 201 s cold, 78 s with the cache.
 # (not $CC: that is the C compiler's variable, which Triton reads)
 # The log-prob CUDA extension (csrc/, JIT-built by torch at its first use) goes there too: session
@@ -27,19 +29,23 @@ OUT=${OUT:-/tmp/out}; RES=/tmp/gpu_results; mkdir -p "$OUT" "$RES"
 # compilations, to tell which it is.
 COMPILE_CACHE=/tmp/compile_cache; export TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/inductor TRITON_CACHE_DIR=$COMPILE_CACHE/triton \
   TORCH_EXTENSIONS_DIR=$COMPILE_CACHE/torch_extensions
-[ -z "${CACHE_OFF:-}" ] && ls .compile_cache/compile_cache.tgz* > /dev/null 2>&1 && [ ! -d "$COMPILE_CACHE" ] && \
-  mkdir -p "$COMPILE_CACHE" && cat .compile_cache/compile_cache.tgz* | tar -xz -C "$COMPILE_CACHE" && \
-  echo "compile cache: $(du -sh "$COMPILE_CACHE")" >> "$RES/session.log"
+unpack_cache() { local kind=$1 unzip=$2
+                 ls .compile_cache/compile_cache.$kind.part-* > /dev/null 2>&1 || return 1
+                 mkdir -p "$COMPILE_CACHE" && cat .compile_cache/compile_cache.$kind.part-* | $unzip | tar -x -C "$COMPILE_CACHE" && \
+                   echo "compile cache ($kind): $(du -sh "$COMPILE_CACHE")" >> "$RES/session.log"; }
+[ -z "${CACHE_OFF:-}" ] && [ ! -d "$COMPILE_CACHE" ] && { unpack_cache txz "xz -d -T0" || unpack_cache tgz "gzip -d"; }
 # Pack after every run too, so a call killed at its time limit still returns what finished.
 pack() { tar -czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/session.log" "$OUT/"; }
 # The cache comes back only if a later call can carry it beside this tree (its 64 MiB hold the
-# tree, .benchdata, .whl and the cache: session 31's 38.7 MB cache could not go back in).
-pack_cache() { [ -d "$COMPILE_CACHE" ] || return 0; tar -czf /tmp/cc.tgz -C "$COMPILE_CACHE" . || return 0
+# tree, .benchdata, .whl and the cache: session 31's 38.7 MB gzipped cache could not go back in).
+pack_cache() { [ -d "$COMPILE_CACHE" ] || return 0; local kind=tgz zip="gzip -6"
+               command -v xz > /dev/null && kind=txz zip="xz -6 -T0"
+               tar -c -C "$COMPILE_CACHE" . | $zip > /tmp/cc.$kind || return 0
                rest=$(du -sb --exclude=./.compile_cache --exclude=./.before --exclude=./.git --exclude=./checkpoints --exclude=__pycache__ . | cut -f1)
                room=$((67108864 - rest - 2000000))
-               if [ "$(stat -c %s /tmp/cc.tgz)" -lt "$room" ]; then rm -f "$OUT"/compile_cache.tgz*
-                 split -b 15000000 /tmp/cc.tgz "$OUT/compile_cache.tgz.part-"
-               else echo "compile cache not returned: $(stat -c %s /tmp/cc.tgz) bytes, room for $room beside the tree" >> "$RES/session.log"; fi; }
+               if [ "$(stat -c %s /tmp/cc.$kind)" -lt "$room" ]; then rm -f "$OUT"/compile_cache.t?z*
+                 split -b 15000000 /tmp/cc.$kind "$OUT/compile_cache.$kind.part-"
+               else echo "compile cache not returned: $(stat -c %s /tmp/cc.$kind) bytes ($kind), room for $room beside the tree" >> "$RES/session.log"; fi; }
 trap 'pack_cache; pack' EXIT
 parts=${*:-tests model train rollout reshard kernels ppo megatron}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")

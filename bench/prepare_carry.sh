@@ -4,7 +4,7 @@
 #   .benchdata/  the Qwen2.5 tokenizer (tok/), GSM8K train and test prompts, TRL's baseline script
 #   .whl/        pure-Python wheels the GPU machine lacks: omegaconf (+ antlr4 runtime, built from
 #                its sdist); with TRL=1 also trl 1.16.0, datasets, dill, multiprocess (the `trl` part)
-#   .compile_cache/  made by a device call, not here: copy a call's $OUT/compile_cache.tgz.part-*
+#   .compile_cache/  made by a device call, not here: copy a call's $OUT/compile_cache.t?z.part-*
 #   .before/     with BEFORE=REV: the code of commit REV (hybridengine, csrc, tools, configs,
 #                launch), for gpu_session.sh's `ppo_ab` part: a change's before and after in one call
 # Usage, from the repo root: bash bench/prepare_carry.sh   (TRL=1 bash bench/prepare_carry.sh,
