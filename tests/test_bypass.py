@@ -13,6 +13,7 @@ from test_on_policy import _step, _trainer
 from hybridengine.config import load_config, validate_config
 from hybridengine.config.checks import BYPASS_LOSS_TYPES
 from hybridengine.rl import bypass
+from hybridengine.rl.memory import old_log_prob_runs
 from hybridengine.rl.console import RunFacts
 from hybridengine.rl.losses import GlobalBatchInfo
 from hybridengine.rl.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
@@ -109,6 +110,7 @@ def test_bypass_ppo_clip_is_vanilla_against_the_rollout_logprobs(tmp_path):
     fast = _trainer(tmp_path / "bypass", TWO_MINI, BYPASS)
     m_fast, b_fast, w_fast = _step(fast)
     assert fast.scored == [] and "timing_s/old_log_prob" not in m_fast
+    assert not old_log_prob_runs(fast.cfg)          # two mini-batches, no forward: the plan's too
     assert torch.equal(b_fast.tensors["old_logprob"], b_fast.tensors["rollout_logprob"])
     assert "training/rollout_probs_diff_max" not in m_fast        # verl skips it in bypass
     assert "rollout_is_weights" not in b_fast.tensors

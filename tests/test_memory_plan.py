@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from dist_utils import run_dist
 from hybridengine.hybrid.reshard import HybridEngine
@@ -415,6 +416,32 @@ def _default_run(budget_gb=None, **flags):
         role, flag = key.split(".")
         setattr(rl_memory._megatron(cfg, role), flag, value)
     return cfg, validate_config(cfg, 1), read_model_config(cfg.actor_rollout_ref.model.path)
+
+
+def test_plan_enters_the_old_log_prob_phase_only_where_a_step_does():
+    """rl.memory.old_log_prob_runs (its agreement with the trainer: tests/test_on_policy.py,
+    tests/test_bypass.py): one mini-batch of the whole batch (epochs aside) takes pi_old from its
+    own forward, so the plan has no old_log_prob phase; more mini-batches, KL in the reward, the
+    rollout's importance weights or a critic warm-up bring it back; bypass mode never has it."""
+    cfg, layout, model = _default_run()
+    cpu, a = torch.device("cpu"), cfg.actor_rollout_ref.actor
+
+    def phases():
+        return set(rl_memory.plan_run_memory(cfg, layout, model, model, cpu, None).phases)
+    a.ppo_mini_batch_size = cfg.data.train_batch_size
+    a.ppo_epochs = 2
+    assert "old_log_prob" not in phases() and {"rollout", "update_actor"} <= phases()
+    for key, value, back in (("data.train_batch_size", 2 * a.ppo_mini_batch_size, a.ppo_mini_batch_size),
+                             ("algorithm.use_kl_in_reward", True, False),
+                             ("algorithm.rollout_correction.rollout_is", "token", None),
+                             ("trainer.critic_warmup", 2, 0)):
+        OmegaConf.update(cfg, key, value)
+        assert "old_log_prob" in phases(), key
+        OmegaConf.update(cfg, key, back)
+    assert "old_log_prob" not in phases()
+    cfg.data.train_batch_size = 2 * a.ppo_mini_batch_size
+    cfg.algorithm.rollout_correction.bypass_mode = True
+    assert "old_log_prob" not in phases()
 
 
 def _holds_batch(cfg, layout, model) -> bool:

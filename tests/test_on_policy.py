@@ -7,6 +7,7 @@ fp32 rounding, and the same pi_old)."""
 import pytest
 import torch
 
+from hybridengine.rl.memory import old_log_prob_runs
 from test_temperature import tiny_trainer
 
 
@@ -71,7 +72,7 @@ def test_on_policy_update_reuses_its_forward_exactly(tmp_path):
     fast = _trainer(tmp_path / "fast")
     assert fast.actor.first_mini_batch(12, 3, seed=1) == list(range(12))
     m_fast, b_fast, w_fast = _step(fast)
-    assert fast.scored == []
+    assert fast.scored == [] and not old_log_prob_runs(fast.cfg)     # nor does the memory plan
     assert "timing_s/old_log_prob" not in m_fast and "perf/mfu/old_log_prob" not in m_fast
     assert m_fast["actor/ppo_kl"] == 0.0 and m_fast["actor/pg_clipfrac"] == 0.0   # ratio 1
 
@@ -100,6 +101,7 @@ def test_first_mini_batch_takes_pi_old_from_its_forward(tmp_path, overrides, own
     assert len(first) == own and len(set(first)) == own
     m_fast, b_fast, w_fast = _step(fast)
     assert fast.scored == ([12 - own] if own < 12 else [])
+    assert old_log_prob_runs(fast.cfg) == (own < 12)        # the memory plan's phases agree
     assert ("perf/mfu/old_log_prob" in m_fast) == (own < 12)
 
     full = _trainer(tmp_path / "full", *overrides)
@@ -120,4 +122,4 @@ def test_first_mini_batch_takes_pi_old_from_its_forward(tmp_path, overrides, own
 def test_old_logprobs_have_their_forward_when_read_before_the_update(tmp_path, override):
     """KL in the reward and the rollout importance weights read pi_old before the update."""
     trainer = _trainer(tmp_path, override)
-    assert not trainer._old_logprob_from_update(1)
+    assert not trainer._old_logprob_from_update(1) and old_log_prob_runs(trainer.cfg)

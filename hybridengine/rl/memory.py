@@ -22,6 +22,7 @@ from hybridengine.hybrid.generator import max_prefill_tokens
 from hybridengine.models.decoder import ModelConfig
 from hybridengine.models.lora import resolve_targets
 from hybridengine.rl.residency import OFFLOAD_FLAGS, PHASE_USES, offload_parts
+from hybridengine.rl.rollout_correction import RolloutCorrectionConfig
 from hybridengine.rl.training_graphs import graph_requests, graphs_line, graphs_off
 from hybridengine.rollout.rollout_config import STATIC_ONLY_BACKENDS
 from hybridengine.train.memory_advice import fit_error, fits, gib_text, kv_slots_short
@@ -78,6 +79,20 @@ def _lora_spec(model) -> dict:
                 lora_targets=resolve_targets(list(model.target_modules)))
 
 
+def old_log_prob_runs(cfg) -> bool:
+    """Whether any step of the run enters the old-log-prob forward (rl.trainer._score). Not in
+    bypass mode (pi_old is pi_rollout), nor where the update's first mini-batch holds the whole
+    batch (any number of epochs), nothing reads pi_old before the update (no KL in the reward,
+    no rollout importance weights) and the actor updates from step 1 (critic_warmup): that
+    mini-batch's own forward then gives every row's pi_old (Trainer._old_logprob_from_update)."""
+    corr = RolloutCorrectionConfig.from_config(cfg.algorithm.rollout_correction)
+    if corr.bypass_mode:
+        return False
+    read_before = cfg.algorithm.use_kl_in_reward or corr.rollout_is is not None
+    one_mini_batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+    return read_before or cfg.trainer.critic_warmup > 1 or not one_mini_batch
+
+
 def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,
                     device: torch.device, device_bytes: int | None) -> MemoryPlan:
     """The plan of a loaded config tree or RunConfig (same key paths) on `layout` (RunLayout)."""
@@ -122,7 +137,8 @@ def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelCo
     rollout = RolloutSpec(seq, layout.rollout.tp, param_dtype(r.dtype, device), r.max_num_seqs,
                           None, r.gpu_memory_utilization, max_prefill_tokens(seq),
                           cfg.trainer.hybrid_engine.reshard_bucket_mb)
-    return plan_memory(roles, rollout, PHASE_USES, device_bytes)
+    skip = () if old_log_prob_runs(cfg) else ("old_log_prob",)
+    return plan_memory(roles, rollout, PHASE_USES, device_bytes, skip)
 
 
 # offload=auto's values per flag, and what each costs a step: gradient buckets hold nothing

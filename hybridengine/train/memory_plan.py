@@ -325,17 +325,18 @@ def _phase(phase, roles, mems, stages, uses, gen, rs) -> dict[str, int]:
 
 def plan_memory(roles: Mapping[str, RoleSpec], rollout: RolloutSpec | None,
                 phase_uses: Mapping[str, Mapping[str, tuple[str, ...]]],
-                device_bytes: int | None = None) -> MemoryPlan:
+                device_bytes: int | None = None, skip: tuple[str, ...] = ()) -> MemoryPlan:
     """The plan of a run (module docstring). roles: "actor" / "ref" / "critic" -> RoleSpec, on
     one world; rollout: None without generation (else needs an actor); phase_uses:
     rl.residency.PHASE_USES; device_bytes: sizes the KV cache by gpu_memory_utilization when
-    kv_cache_tokens is None (None: max_num_seqs rows, as on the CPU)."""
+    kv_cache_tokens is None (None: max_num_seqs rows, as on the CPU); skip: phases the run never
+    enters (old_log_prob where the update's own forward gives pi_old: rl.memory)."""
     roles, world = dict(roles), next(iter(roles.values())).layout.world_size
     mems = {(r, st): role_memory(s, st) for r, s in roles.items() for st in range(s.layout.pp)}
     combos = sorted({tuple(s.layout.coords(rank)[0] for s in roles.values())
                      for rank in range(world)})
     phases = [p for p in PHASES if COMPUTE.get(p, ("actor",))[0] in roles
-              and (p in COMPUTE or rollout is not None)]
+              and (p in COMPUTE or rollout is not None) and p not in skip]
     per_rank, resh = [], {}
     for combo in combos:
         stages = dict(zip(roles, combo))
