@@ -179,6 +179,7 @@ def test_unsupported_feature_rejected_unless_neutral():
     ("data.train_files=null", "data.train_files=null: expected a path or a list of paths"),
     ("algorithm.adv_estimator=ppo", "choose one of gae, grpo, rloo, reinforce_plus_plus"),
     ("actor_rollout_ref.actor.loss_agg_mode=mean", "choose one of token-mean"),
+    ("trainer.cuda_allocator=expandable", "choose one of auto, expandable_segments, default"),
     ("trainer=1", "trainer is a config section"),
     ("data.train_batch_size=${data.nope}", "interpolation failed"),
 ])

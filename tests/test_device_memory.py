@@ -1,6 +1,8 @@
 """hybridengine.device_memory: a reset that measures one phase alone (the rollout's prefill
 probe) does not erase the run's peak from perf/max_memory_allocated_gb, and a phase's window
-keeps its own peak (perf/max_memory_allocated_gb/<phase>; torch's counters faked: CPU)."""
+keeps its own peak (perf/max_memory_allocated_gb/<phase>; torch's counters faked: CPU); and
+trainer.cuda_allocator's choice."""
+import pytest
 import torch
 
 from hybridengine import device_memory
@@ -63,3 +65,29 @@ def test_trainer_phases_record_their_peaks_on_cuda(monkeypatch):
     with Trainer._phase(fake, "ref"):
         pass
     assert fake.phase_peaks == {}
+
+
+@pytest.mark.parametrize("setting, backend, environ, choice", [
+    ("auto", "builtin", {}, "expandable_segments"),
+    ("auto", "vllm", {}, "default"),                        # vLLM's own allocator refuses them
+    ("auto", "builtin", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}, "default"),
+    ("auto", "builtin", {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, "default"),
+    ("auto", "builtin", {"PYTORCH_CUDA_ALLOC_CONF": ""}, "expandable_segments"),
+    ("expandable_segments", "vllm", {"PYTORCH_CUDA_ALLOC_CONF": "x"}, "expandable_segments"),
+    ("default", "builtin", {}, "default")])
+def test_allocator_choice(setting, backend, environ, choice):
+    assert device_memory.allocator_choice(setting, backend, environ) == choice
+
+
+def test_configure_allocator_switches_only_cuda_to_expandable_segments(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert device_memory.configure_allocator("auto", "builtin", cpu) == "expandable_segments"
+    assert calls == []
+    assert device_memory.configure_allocator("default", "builtin", cuda) == "default"
+    assert calls == []
+    assert device_memory.configure_allocator("auto", "builtin", cuda) == "expandable_segments"
+    assert calls == ["expandable_segments:True"]

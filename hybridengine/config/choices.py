@@ -12,6 +12,7 @@ _A, _F, _R = "actor_rollout_ref.actor.", "actor_rollout_ref.ref.", "actor_rollou
 @functools.cache
 def choices() -> dict[str, tuple[str, ...]]:
     """{key: its allowed values} for the keys that take one of a list (module doc)."""
+    from hybridengine.device_memory import CUDA_ALLOCATORS
     from hybridengine.hybrid.generator import BACKENDS as ROLLOUT_BACKENDS
     from hybridengine.hybrid.plan import MODES as RESHARD_MODES
     from hybridengine.parallel.layout import CP_COMM_TYPES
@@ -49,5 +50,6 @@ def choices() -> dict[str, tuple[str, ...]]:
         "trainer.resume_mode": RESUME_MODES,
         "trainer.device": DEVICES,
         "trainer.nan_policy": NAN_POLICIES,
+        "trainer.cuda_allocator": CUDA_ALLOCATORS,
         "trainer.hybrid_engine.reshard_mode": RESHARD_MODES,
     }

@@ -294,6 +294,7 @@ class TrainerConfig:
     critic_warmup: int
     interleave_updates: bool
     gc_freeze_freq: int
+    cuda_allocator: str
     hybrid_engine: HybridEngineSection
 
 

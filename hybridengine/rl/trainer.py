@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from hybridengine.config import uses_critic, uses_reference
 from hybridengine.config.run import RunConfig
-from hybridengine.device_memory import start_window, window_peak
+from hybridengine.device_memory import configure_allocator, start_window, window_peak
 from hybridengine.train.engine import TrainEngine
 from hybridengine.train import checkpoint as ckpt
 from hybridengine.parallel.mesh import Meshes, build_meshes
@@ -71,9 +71,10 @@ class Trainer:
                              f"asks for {cfg.layout}")
         self.cfg, self.meshes, self.layout = cfg, meshes, cfg.layout
         self.rank, self.world = meshes.rank, meshes.world_size
-        self.device = run_device(cfg)
-        self.root = Path(cfg.trainer.default_local_dir)
-        t = cfg.trainer
+        self.device, t = run_device(cfg), cfg.trainer
+        # before the models load: expandable segments apply to the segments mapped after this
+        configure_allocator(t.cuda_allocator, cfg.actor_rollout_ref.rollout.name, self.device)
+        self.root = Path(t.default_local_dir)
         # before anything loads: a second run on this directory, or a fresh start over an
         # earlier run, fails in a second and leaves the directory as it was (rl.run_dir)
         self.run_lock = claim_run_dir(
