@@ -22,9 +22,10 @@ from collections.abc import Mapping
 
 import torch
 
-# trainer.cuda_allocator: auto is expandable_segments, except with the vLLM rollout (its sleep
-# mode's allocator and CUDA IPC refuse expandable segments) or where the environment already
-# configures torch's allocator (the user's settings stand)
+# trainer.cuda_allocator (default: "default", torch's own, until a GPU run has measured the
+# others): auto is expandable_segments, except with the vLLM rollout (its sleep mode's allocator
+# and CUDA IPC refuse expandable segments) or where the environment already configures torch's
+# allocator (the user's settings stand)
 CUDA_ALLOCATORS = ("auto", "expandable_segments", "default")
 ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
