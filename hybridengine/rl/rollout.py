@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
-from hybridengine.hybrid.generator import Generated
+from hybridengine.hybrid.generator import Generated, padded_rows
 from hybridengine.rl.advantages import dynamic_sampling_keep_mask, overlong_penalty
 from hybridengine.rl.batch import Batch
 from hybridengine.rl.rewards import score_batch
@@ -79,10 +80,8 @@ class RolloutCollector:
         batch = Batch([it["prompt_ids"] for it in items for _ in range(n)], gen.response_ids,
                       [i for i in range(len(items)) for _ in range(n)], rep("data_source"),
                       rep("ground_truth"), rep("extra_info"), self.max_resp)
-        rollout_lp = torch.zeros(len(batch), self.max_resp)
-        for i, lp in enumerate(gen.logprobs):
-            rollout_lp[i, :len(lp)] = torch.tensor(lp)
-        batch.tensors["rollout_logprob"] = rollout_lp
+        batch.tensors["rollout_logprob"] = torch.from_numpy(
+            padded_rows(gen.logprobs, self.max_resp, np.float32))
         return batch, gen
 
     @staticmethod
