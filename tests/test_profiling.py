@@ -52,6 +52,10 @@ def test_host_diagnosis_names_the_slow_functions_and_the_waiting_lines():
     cumulative = [row[0] for row in out["by_cumulative_time"]]
     assert any("_busy_host" in name for name in cumulative)
     assert out["columns"] == ["function", "calls", "own_ms", "cumulative_ms"]
+    # the builtin sum spends the time; the line to change is its caller's, _busy_host
+    assert out["callers_columns"] == ["caller", "calls", "own_ms"]
+    (summed,) = [f for f in out["callers"] if "builtins.sum" in f]
+    assert out["callers"][summed][0][0].endswith("(_busy_host)")
     (where, count), = out["syncs"].items()
     assert count == 3
     assert where.startswith("test_profiling.py:") and "(_waits_for_the_device) <- " in where

@@ -298,8 +298,20 @@ def host_diagnosis(fn, top: int = 30, stack_depth: int = 4) -> dict:
         ranked = sorted(stats.items(), key=lambda kv: -kv[1][index])[:top]
         return [[f"{Path(f).name}:{line}({name})", nc, round(tt * 1e3, 2), round(ct * 1e3, 2)]
                 for (f, line, name), (_, nc, tt, ct, _) in ranked]
+    def callers(n_functions=12, n_callers=5):
+        """Who called the functions of most own time: a builtin's own time (torch.tensor,
+        Batch.select's indexing) says nothing of which line to change without them."""
+        out = {}
+        for (f, line, name), (_, _, _, _, by) in sorted(stats.items(),
+                                                        key=lambda kv: -kv[1][2])[:n_functions]:
+            ranked = sorted(by.items(), key=lambda kv: -kv[1][2])[:n_callers]  # by own time
+            out[f"{Path(f).name}:{line}({name})"] = [
+                [f"{Path(cf).name}:{cl}({cn})", v[1], round(v[2] * 1e3, 2)]
+                for (cf, cl, cn), v in ranked]
+        return out
     return {"columns": ["function", "calls", "own_ms", "cumulative_ms"],
             "by_own_time": rows(2), "by_cumulative_time": rows(3),
+            "callers_columns": ["caller", "calls", "own_ms"], "callers": callers(),
             "syncs": dict(sorted(syncs.items(), key=lambda kv: -kv[1])[:top])}
 
 
