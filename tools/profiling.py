@@ -298,6 +298,7 @@ def host_diagnosis(fn, top: int = 30, stack_depth: int = 4) -> dict:
         ranked = sorted(stats.items(), key=lambda kv: -kv[1][index])[:top]
         return [[f"{Path(f).name}:{line}({name})", nc, round(tt * 1e3, 2), round(ct * 1e3, 2)]
                 for (f, line, name), (_, nc, tt, ct, _) in ranked]
+
     def callers(n_functions=12, n_callers=5):
         """Who called the functions of most own time: a builtin's own time (torch.tensor,
         Batch.select's indexing) says nothing of which line to change without them."""
