@@ -108,6 +108,8 @@ def test_equal_counts_across_ranks():
         expected = max(num_microbatches_for_budget(s, budget, 2) for s in per_rank)
         for seqlens, mbs in zip(per_rank, result):
             assert len(mbs) == expected
+            # the single-process form is the all-reduce form's answer, micro-batch for micro-batch
+            assert mbs == token_budget_microbatches(seqlens, budget, num_microbatches=expected)
             _assert_partition_of(mbs, len(seqlens))
             assert all(t <= budget or len(mb) == 1 for mb, t in zip(mbs, _sums(seqlens, mbs)))
 

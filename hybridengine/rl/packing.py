@@ -164,16 +164,23 @@ def token_budget_microbatches(
     _check_budget(seqlens, max_tokens_per_microbatch, num_microbatches_multiple_of)
     k_min, feasible = _smallest_feasible(seqlens, max_tokens_per_microbatch)
     count = num_microbatches if num_microbatches is not None else _round_up(k_min, num_microbatches_multiple_of)
+    return _microbatches_of_count(seqlens, max_tokens_per_microbatch, count, k_min, feasible)
+
+
+def _microbatches_of_count(seqlens: Sequence[int], max_tokens: int, count: int, k_min: int,
+                           feasible: list[list[int]]) -> list[list[int]]:
+    """token_budget_microbatches at `count` parts, from the smallest feasible partition
+    (k_min parts, `feasible`) that _smallest_feasible found."""
     if count < k_min:
         raise ValueError(f"num_microbatches={count} is below the {k_min} micro-batches that "
-                         f"max_tokens_per_microbatch={max_tokens_per_microbatch} needs here")
+                         f"max_tokens_per_microbatch={max_tokens} needs here")
     if count > len(seqlens):
         raise ValueError(f"{count} micro-batches requested but this rank has only {len(seqlens)} "
                          f"sequences; raise max_tokens_per_microbatch or the batch size")
     if count == k_min:
         return feasible
     parts = balanced_partitions(seqlens, count)
-    if _fits(seqlens, parts, max_tokens_per_microbatch):
+    if _fits(seqlens, parts, max_tokens):
         return parts
     return _split_to_count(seqlens, feasible, count)
 
@@ -185,10 +192,14 @@ def equal_count_microbatches(
 ) -> list[list[list[int]]]:
     """Per-rank micro-batch index lists under one token budget, with the same count on every
     rank (the largest of the ranks' minimum counts). Single-process form of the all-reduce."""
-    count = max(num_microbatches_for_budget(s, max_tokens_per_microbatch, num_microbatches_multiple_of)
-                for s in per_rank_seqlens)
-    return [token_budget_microbatches(s, max_tokens_per_microbatch, num_microbatches=count)
-            for s in per_rank_seqlens]
+    for s in per_rank_seqlens:
+        _check_budget(s, max_tokens_per_microbatch, num_microbatches_multiple_of)
+    # each rank's smallest feasible partition once (the count and, where it is the count, the
+    # answer): Karmarkar-Karp ran twice a rank before, ~1/2 of the plan's host time
+    smallest = [_smallest_feasible(s, max_tokens_per_microbatch) for s in per_rank_seqlens]
+    count = max(_round_up(k, num_microbatches_multiple_of) for k, _ in smallest)
+    return [_microbatches_of_count(s, max_tokens_per_microbatch, count, k, feasible)
+            for s, (k, feasible) in zip(per_rank_seqlens, smallest)]
 
 
 def fixed_size_microbatches(n: int, micro_batch_size: int) -> list[list[int]]:
