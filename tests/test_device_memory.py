@@ -91,3 +91,20 @@ def test_configure_allocator_switches_only_cuda_to_expandable_segments(monkeypat
     assert calls == []
     assert device_memory.configure_allocator("auto", "builtin", cuda) == "expandable_segments"
     assert calls == ["expandable_segments:True"]
+
+
+@pytest.mark.gpu
+def test_expandable_segments_take_effect_on_cuda():
+    """trainer.cuda_allocator=expandable_segments on a GPU: segments mapped after the switch are
+    expandable (torch's snapshot says so); in a process of its own, since the allocator's
+    settings are process-wide."""
+    import subprocess
+    import sys
+    code = ("import torch; from hybridengine.device_memory import configure_allocator; "
+            "print(configure_allocator('expandable_segments', 'builtin', torch.device('cuda', 0))); "
+            "x = torch.empty(64 << 20, dtype=torch.uint8, device='cuda'); "
+            "print(all(s.get('is_expandable', False) for s in torch.cuda.memory_snapshot()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["expandable_segments", "True"], out.stdout
