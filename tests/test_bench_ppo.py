@@ -42,6 +42,7 @@ def test_tiny_run_reports_the_memory_plan(bench_ppo_tiny):
     assert out["phases"]["update_actor"] == {"plan_gb": plan["phases_gb"]["update_actor"],
                                              "measured_gb": None, "measured_over_plan": None}
     assert out["steps"][0]["rollout/num_slots"] == plan["kv_slots"]
+    assert out["cuda_allocator"] == "default"       # trainer.cuda_allocator as the trainer applied it
     assert out["steps"][0]["rollout/max_concurrent"] == 128      # 16 prompts x 8: all at once
     # each step's garbage collections: counts and milliseconds per generation
     assert set(out["gc_by_step"]) == {"1"} and set(out["gc_by_step"]["1"]) == {"collections", "ms"}

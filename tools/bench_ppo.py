@@ -68,7 +68,6 @@ from hybridengine.kernels.logprob import cuda_extension  # noqa: E402
 from hybridengine.models.hf_config import hf_config  # noqa: E402
 from hybridengine.models.shapes import SHAPES  # noqa: E402
 from hybridengine.rl.data import to_verl_row  # noqa: E402
-from hybridengine.device_memory import allocator_choice  # noqa: E402
 from hybridengine.rl.memory import (device_budget, memory_report, plan_run_memory,  # noqa: E402
                                     resolve_and_check)
 from hybridengine.rl.residency import OFFLOAD_FLAGS  # noqa: E402
@@ -510,8 +509,7 @@ def run(args) -> dict:
             "defaults": args.defaults, "offload": args.offload, "overrides": args.set,
             "response_lengths": args.response_lengths,
             "kv_layout": trainer.cfg.actor_rollout_ref.rollout.kv_layout,    # auto resolved
-            "cuda_allocator": allocator_choice(trainer.cfg.trainer.cuda_allocator,
-                                               trainer.cfg.actor_rollout_ref.rollout.name),
+            "cuda_allocator": trainer.cuda_allocator,       # auto resolved, as applied
             "steady": steady_state(step_s, args.warmup), "step_s": step_s,
             "compile_s": sum(compile_s.values()), "compile_s_by_step": compile_s,
             "compile_records_step1": compile_records, "compile_timers_step1": compile_steps,

@@ -88,9 +88,9 @@ def old_log_prob_runs(cfg) -> bool:
     corr = RolloutCorrectionConfig.from_config(cfg.algorithm.rollout_correction)
     if corr.bypass_mode:
         return False
-    read_before = cfg.algorithm.use_kl_in_reward or corr.rollout_is is not None
     one_mini_batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
-    return read_before or cfg.trainer.critic_warmup > 1 or not one_mini_batch
+    return corr.reads_pi_old_first(cfg.algorithm.use_kl_in_reward) or \
+        cfg.trainer.critic_warmup > 1 or not one_mini_batch
 
 
 def plan_run_memory(cfg, layout, actor_model: ModelConfig, critic_model: ModelConfig | None,

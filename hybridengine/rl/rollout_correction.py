@@ -53,6 +53,12 @@ class RolloutCorrectionConfig:
         return cls(node.rollout_is, float(node.rollout_is_threshold),
                    bool(node.rollout_is_batch_normalize), bool(node.bypass_mode), str(node.loss_type))
 
+    def reads_pi_old_first(self, use_kl_in_reward: bool) -> bool:
+        """Whether something reads pi_old before the actor's update (the rollout importance
+        weights, or algorithm.use_kl_in_reward's penalty), so that the update's own forward cannot
+        give it (rl.trainer, and rl.memory's plan of the phases)."""
+        return use_kl_in_reward or self.rollout_is is not None
+
 
 def compute_rollout_is_weights(log_ratio: Tensor, response_mask: Tensor, rollout_is: str,
                                threshold: float, batch_normalize: bool = False) -> tuple[Tensor, dict]:

@@ -73,7 +73,8 @@ class Trainer:
         self.rank, self.world = meshes.rank, meshes.world_size
         self.device, t = run_device(cfg), cfg.trainer
         # before the models load: expandable segments apply to the segments mapped after this
-        configure_allocator(t.cuda_allocator, cfg.actor_rollout_ref.rollout.name, self.device)
+        self.cuda_allocator = configure_allocator(t.cuda_allocator,
+                                                  cfg.actor_rollout_ref.rollout.name, self.device)
         self.root = Path(t.default_local_dir)
         # before anything loads: a second run on this directory, or a fresh start over an
         # earlier run, fails in a second and leaves the directory as it was (rl.run_dir)
@@ -263,8 +264,7 @@ class Trainer:
         Bypass mode: pi_old is pi_rollout, but on-policy verl's actor takes its own forward's."""
         if self.bypass:
             return self.actor.on_policy(num_sequences, self._n)
-        return not self.cfg.algorithm.use_kl_in_reward and \
-            self.rollout_correction.rollout_is is None
+        return not self.rollout_correction.reads_pi_old_first(self.cfg.algorithm.use_kl_in_reward)
 
     def _score(self, batch: Batch, timings, sync, own_rows: Sequence[int] = ()) -> list[int]:
         """The forward-only passes; the old-log-prob one over the rows not in own_rows (zeros
